@@ -1,0 +1,59 @@
+"""The one autograd node: forward and hand-written backward of every attention call."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import ModuleType
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .plan import Plan, make_plan
+from .spec import AttentionSpec
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Inputs: q, k, v, bias, sinks and the tensors a score_mod captures. Outputs: out (input
+    dtype), lse and max_scores (compute dtype). lse is differentiable; max_scores is not."""
+
+    @staticmethod
+    def forward(ctx, spec: AttentionSpec, plan: Plan, executor: ModuleType, q: Tensor,
+                k: Tensor, v: Tensor, bias: Optional[Tensor], sinks: Optional[Tensor],
+                *params: Tensor):
+        res = executor.forward(spec, plan)
+        out = res.out.to(q.dtype)
+        ctx.spec, ctx.plan, ctx.executor = spec, plan, executor
+        ctx.save_for_backward(q, k, v, bias, sinks, out, res.lse, *params)
+        ctx.mark_non_differentiable(res.max_scores)
+        return out, res.lse, res.max_scores
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, dlse: Optional[Tensor], _dmax: Optional[Tensor]):
+        q, k, v, bias, sinks, out, lse, *params = ctx.saved_tensors
+        spec = replace(ctx.spec, q=q, k=k, v=v, bias=bias, sinks=sinks,
+                       score_mod_params=tuple(params))
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dlse is not None and not bool(dlse.any()):
+            dlse = None
+        g = ctx.executor.backward(spec, ctx.plan, out, lse, dout, dlse)
+        need = ctx.needs_input_grad
+        dbias = g.dbias.to(bias.dtype) if (g.dbias is not None and need[6]) else None
+        dsinks = g.dsinks.to(sinks.dtype) if (g.dsinks is not None and need[7]) else None
+        dparams = tuple(
+            (dp.to(p.dtype) if dp is not None else None) if need[8 + idx] else None
+            for idx, (dp, p) in enumerate(zip(g.dparams, params)))
+        return (None, None, None,
+                g.dq.to(q.dtype) if need[3] else None,
+                g.dk.to(k.dtype) if need[4] else None,
+                g.dv.to(v.dtype) if need[5] else None,
+                dbias, dsinks, *dparams)
+
+
+def run(spec: AttentionSpec, executor: ModuleType,
+        plan: Optional[Plan] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """Run ``spec`` on ``executor`` through the autograd node; canonical shapes out."""
+    plan = plan if plan is not None else make_plan(spec)
+    return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v, spec.bias,
+                                    spec.sinks, *spec.score_mod_params)

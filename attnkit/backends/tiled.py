@@ -1,0 +1,272 @@
+"""The tiled executor: FlashAttention-2 forward and backward written with torch ops.
+
+It supports every feature of the spec. The forward walks query tiles and, for each, the key
+tiles that the plan says hold work, keeping an online softmax (running max ``m``, sum ``l`` and
+unnormalised output). It never holds more than one score tile per step. The backward recomputes
+each probability tile from the saved log-sum-exp, ``P = exp(S - lse)``, and forms
+``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse``.
+
+Layout inside a tile: queries of the G = Hq / Hkv heads that share a key/value head are stacked,
+``(N, Hkv, G * bq, D)``, so one matmul per tile serves grouped-query attention without copying
+keys; the score tile is viewed as ``(N, Hq, bq, bk)`` to apply masks and score terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..plan import Plan, slice_tile, tile_visibility
+from ..spec import AttentionSpec
+
+NAME = "tiled"
+
+
+def not_supported_reasons(spec: AttentionSpec) -> List[str]:
+    """The tiled executor runs every spec."""
+    return []
+
+
+@dataclass
+class ForwardResult:
+    out: Tensor  # (N, Hq, Lq, Dv) compute dtype
+    lse: Tensor  # (N, Hq, Lq) compute dtype
+    max_scores: Tensor  # (N, Hq, Lq) compute dtype, -inf for rows with no visible key
+
+
+def _index_tensors(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int):
+    dev = spec.q.device
+    return (torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
+            torch.arange(spec.hq, device=dev).view(1, -1, 1, 1),
+            torch.arange(q0, q1, device=dev).view(1, 1, -1, 1),
+            torch.arange(k0, k1, device=dev).view(1, 1, 1, -1))
+
+
+def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi."""
+    if spec.softcap is not None:
+        s = torch.tanh(s / spec.softcap) * spec.softcap
+    if spec.bias is not None:
+        s = s + slice_tile(spec.bias, q0, q1, k0, k1).to(s.dtype)
+    if spec.alibi_slopes is not None:
+        _, _, i, j = _index_tensors(spec, q0, q1, k0, k1)
+        dist = (i + spec.diag_offset() - j).abs().to(s.dtype)
+        s = s - spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1) * dist
+    return s
+
+
+def _apply_score_mod(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int):
+    b, h, i, j = _index_tensors(spec, q0, q1, k0, k1)
+    out = spec.score_mod(s, b, h, i, j)
+    if out.shape != s.shape:
+        out = out.expand(s.shape)
+    return out
+
+
+def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
+                  dtype: torch.dtype) -> Optional[Tensor]:
+    """Dropout multiplier tile keep / (1 - p), or None without dropout."""
+    if spec.dropout_mask is not None:
+        keep = slice_tile(spec.dropout_mask, q0, q1, k0, k1)
+    elif spec.dropout_p > 0.0:
+        from ..dropout import keep_mask
+
+        b, h, i, j = _index_tensors(spec, q0, q1, k0, k1)
+        keep = keep_mask(spec.seed, spec.offset, spec.dropout_p, b, h, i, j)
+    else:
+        return None
+    return keep.to(dtype) * (1.0 / (1.0 - spec.dropout_p))
+
+
+class _Tiles:
+    """Shared per-call state of the forward and the backward: inputs in compute dtype."""
+
+    def __init__(self, spec: AttentionSpec, plan: Plan):
+        self.spec, self.plan = spec, plan
+        cd = spec.compute_dtype
+        self.cd = cd
+        self.k = spec.k.to(cd)
+        self.v = spec.v.to(cd)
+        self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
+
+    def q_tile(self, q0: int, q1: int) -> Tensor:
+        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D)."""
+        qt = self.spec.q[:, :, q0:q1].to(self.cd) * self.spec.scale
+        return qt.reshape(self.n, self.hkv, self.g * (q1 - q0), qt.shape[-1])
+
+    def rows(self, x: Tensor, q0: int, q1: int) -> Tensor:
+        """(N, Hq, Lq, ...) -> the tile's rows in grouped layout (N, Hkv, G * bq, ...)."""
+        t = x[:, :, q0:q1]
+        return t.reshape(self.n, self.hkv, self.g * (q1 - q0), *t.shape[3:])
+
+    def scores(self, qt: Tensor, kb: int, q0: int, q1: int, vis: Optional[Tensor]):
+        """Final score tile (N, Hq, bq, bk) with masked pairs at -inf, plus the pre-score_mod
+        scores when a score_mod is present (the backward differentiates through it)."""
+        spec = self.spec
+        k0, k1 = self.plan.k_range(kb)
+        s = torch.matmul(qt, self.k[:, :, k0:k1].transpose(-1, -2))
+        s = s.view(self.n, self.hq, q1 - q0, k1 - k0)
+        raw = s
+        s = _score_terms(spec, s, q0, q1, k0, k1)
+        pre_mod = s
+        if spec.score_mod is not None:
+            s = _apply_score_mod(spec, s, q0, q1, k0, k1)
+        if vis is not None:
+            s = s.masked_fill(~vis, float("-inf"))
+        return s, raw, pre_mod
+
+
+def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
+    """Online-softmax forward over the plan's tiles."""
+    t = _Tiles(spec, plan)
+    n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
+    cd = t.cd
+    out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+    lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
+    mx = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
+    neg_inf = float("-inf")
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        rows = t.g * (q1 - q0)
+        kbs = plan.key_blocks(qb)
+        m = torch.full((n, t.hkv, rows, 1), neg_inf, dtype=cd, device=spec.q.device)
+        l = torch.zeros((n, t.hkv, rows, 1), dtype=cd, device=spec.q.device)
+        acc = torch.zeros((n, t.hkv, rows, dv), dtype=cd, device=spec.q.device)
+        if kbs:
+            qt = t.q_tile(q0, q1)
+        for kb in kbs:
+            vis = tile_visibility(spec, plan, qb, kb)
+            if vis is not None and not bool(vis.any()):
+                continue
+            k0, k1 = plan.k_range(kb)
+            s, _, _ = t.scores(qt, kb, q0, q1, vis)
+            s = s.reshape(n, t.hkv, rows, k1 - k0)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            m_safe = torch.where(m_new == neg_inf, torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe)
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(-1, keepdim=True)
+            drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
+            if drop is not None:
+                p = (p.view(n, hq, q1 - q0, k1 - k0) * drop).view(n, t.hkv, rows, k1 - k0)
+            acc = acc * alpha + torch.matmul(p, t.v[:, :, k0:k1])
+            m = m_new
+        m_safe = torch.where(m == neg_inf, torch.zeros_like(m), m)
+        row_lse = m_safe + torch.log(l)  # -inf where l == 0
+        if spec.sinks is not None:
+            sink = spec.sinks.to(cd).view(1, hq, 1).expand(n, hq, q1 - q0)
+            row_lse = torch.logaddexp(row_lse.view(n, hq, q1 - q0), sink).view_as(row_lse)
+        finite = torch.isfinite(row_lse)
+        scale_out = torch.where(finite, torch.exp(m_safe - torch.where(
+            finite, row_lse, torch.zeros_like(row_lse))), torch.zeros_like(row_lse))
+        o = acc * scale_out
+        out[:, :, q0:q1] = o.view(n, hq, q1 - q0, dv)
+        lse[:, :, q0:q1] = row_lse.view(n, hq, q1 - q0)
+        mx[:, :, q0:q1] = m.view(n, hq, q1 - q0)
+    return ForwardResult(out=out, lse=lse, max_scores=mx)
+
+
+@dataclass
+class Grads:
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dbias: Optional[Tensor]
+    dsinks: Optional[Tensor]
+    dparams: Tuple[Optional[Tensor], ...]
+
+
+def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Tensor,
+             dlse: Optional[Tensor] = None) -> Grads:
+    """FlashAttention-2 backward: recompute P per tile from ``lse``; gradients in compute
+    dtype (cast by the caller)."""
+    t = _Tiles(spec, plan)
+    cd = t.cd
+    n, hq, hkv, lq, dv = spec.n, spec.hq, spec.hkv, spec.lq, spec.dv
+    dev = spec.q.device
+    out_c, dout_c = out.to(cd), dout.to(cd)
+    delta = (dout_c * out_c).sum(-1)  # (N, Hq, Lq)
+    if dlse is not None:
+        delta = delta - dlse.to(cd)
+    lse_c = lse.to(cd)
+    lse_safe = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+    dq = torch.zeros(n, hq, lq, spec.q.shape[-1], dtype=cd, device=dev)
+    dk = torch.zeros(n, hkv, spec.lk, spec.k.shape[-1], dtype=cd, device=dev)
+    dvv = torch.zeros(n, hkv, spec.lk, dv, dtype=cd, device=dev)
+    dbias = torch.zeros(spec.bias.shape, dtype=cd, device=dev) if (
+        spec.bias is not None and spec.bias.requires_grad) else None
+    params = spec.score_mod_params
+    dparams: List[Optional[Tensor]] = [None] * len(params)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        rows = t.g * (q1 - q0)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        qt = t.q_tile(q0, q1)
+        do_t = t.rows(dout_c, q0, q1)
+        lse_t = t.rows(lse_safe, q0, q1).unsqueeze(-1)
+        delta_t = t.rows(delta, q0, q1).unsqueeze(-1)
+        dq_acc = torch.zeros_like(qt)
+        for kb in kbs:
+            vis = tile_visibility(spec, plan, qb, kb)
+            if vis is not None and not bool(vis.any()):
+                continue
+            k0, k1 = plan.k_range(kb)
+            s, raw, pre_mod = t.scores(qt, kb, q0, q1, vis)
+            p = torch.exp(s.reshape(n, hkv, rows, k1 - k0) - lse_t)
+            vt = t.v[:, :, k0:k1]
+            dp = torch.matmul(do_t, vt.transpose(-1, -2))
+            drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
+            if drop is not None:
+                shape4 = (n, hq, q1 - q0, k1 - k0)
+                p_drop = (p.view(shape4) * drop).view_as(p)
+                dp = (dp.view(shape4) * drop).view_as(dp)
+            else:
+                p_drop = p
+            dvv[:, :, k0:k1] += torch.matmul(p_drop.transpose(-1, -2), do_t)
+            ds = (p * (dp - delta_t)).view(n, hq, q1 - q0, k1 - k0)
+            ds = _score_backward(spec, ds, raw, pre_mod, q0, q1, k0, k1, dbias, dparams)
+            ds = ds.reshape(n, hkv, rows, k1 - k0)
+            dq_acc += torch.matmul(ds, t.k[:, :, k0:k1])
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
+        dq[:, :, q0:q1] = (dq_acc * spec.scale).view(n, hq, q1 - q0, -1)
+    dsinks = None
+    if spec.sinks is not None and spec.sinks.requires_grad:
+        p_sink = torch.exp(spec.sinks.to(cd).view(1, hq, 1) - lse_safe)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+    return Grads(dq=dq, dk=dk, dv=dvv, dbias=dbias, dsinks=dsinks, dparams=tuple(dparams))
+
+
+def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tensor,
+                    q0: int, q1: int, k0: int, k1: int, dbias: Optional[Tensor],
+                    dparams: List[Optional[Tensor]]) -> Tensor:
+    """Chain dS (w.r.t. the final scores) back through score_mod, bias and softcap to the
+    scaled scores; accumulate dbias and the gradients of tensors the score_mod captured."""
+    if spec.score_mod is not None:
+        params = spec.score_mod_params
+        with torch.enable_grad():
+            x = pre_mod.detach().requires_grad_(True)
+            y = _apply_score_mod(spec, x, q0, q1, k0, k1)
+            grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True)
+        ds = grads[0]
+        for idx, g in enumerate(grads[1:]):
+            if g is not None:
+                dparams[idx] = g if dparams[idx] is None else dparams[idx] + g
+    if dbias is not None:
+        _accumulate_broadcast(dbias, ds, q0, q1, k0, k1)
+    if spec.softcap is not None:
+        th = torch.tanh(raw / spec.softcap)
+        ds = ds * (1.0 - th * th)
+    return ds
+
+
+def _accumulate_broadcast(acc: Tensor, g: Tensor, q0: int, q1: int, k0: int, k1: int) -> None:
+    """acc[tile] += g summed over the dims where acc broadcasts (size 1)."""
+    dims = [d for d in range(4) if acc.shape[d] == 1 and g.shape[d] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    slice_tile(acc, q0, q1, k0, k1).add_(g)

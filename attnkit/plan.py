@@ -1,0 +1,253 @@
+"""The plan: which (query block, key block) tiles hold work, and which mask terms a tile needs.
+
+Each mask term (band = causal/window, a bool mask tensor, seqlens padding, a BlockMask, a
+mask_mod) reports per tile whether *some* pair may be visible (``any``) and whether *every* pair
+is visible (``full``), aggregated over the batch and heads (a tile runs for all of them at once).
+A tile is skipped when some term says it is empty; a term is not evaluated on a tile it calls
+full. A BlockMask's partial/full classification is used as it is (its mask_mod is called only on
+tiles that some (batch, head) lists as partial).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .spec import AttentionSpec
+
+#: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
+TILE_ELEMENTS = 1 << 21
+
+
+@dataclass
+class Plan:
+    """Tile grid and per-tile work for one call."""
+
+    bq: int
+    bk: int
+    lq: int
+    lk: int
+    any: Tensor  # (nqb, nkb) bool: the tile may hold a visible pair
+    term_full: Dict[str, Tensor] = field(default_factory=dict)  # term -> (nqb, nkb) bool
+    _rows: Optional[List[List[int]]] = None
+
+    @property
+    def nqb(self) -> int:
+        return self.any.shape[0]
+
+    @property
+    def nkb(self) -> int:
+        return self.any.shape[1]
+
+    def q_range(self, qb: int) -> Tuple[int, int]:
+        return qb * self.bq, min(self.lq, (qb + 1) * self.bq)
+
+    def k_range(self, kb: int) -> Tuple[int, int]:
+        return kb * self.bk, min(self.lk, (kb + 1) * self.bk)
+
+    def key_blocks(self, qb: int) -> List[int]:
+        """Key blocks of query block ``qb`` that hold work, in ascending order."""
+        if self._rows is None:
+            self._rows = [torch.nonzero(row).flatten().tolist() for row in self.any]
+        return self._rows[qb]
+
+    def needs(self, term: str, qb: int, kb: int) -> bool:
+        """Must ``term`` be evaluated on this tile (it is not full there)?"""
+        full = self.term_full.get(term)
+        return full is not None and not bool(full[qb, kb])
+
+    def visible_pairs(self) -> int:
+        """Number of tiles with work (for reports and tests)."""
+        return int(self.any.sum())
+
+
+def choose_tiles(spec: AttentionSpec, budget: int = TILE_ELEMENTS) -> Tuple[int, int]:
+    """Tile sizes: a BlockMask's own blocks; otherwise key tiles of up to 512 and query tiles
+    that keep one score tile within ``budget`` elements."""
+    if spec.block_mask is not None:
+        bs = spec.block_mask.BLOCK_SIZE
+        bq, bk = (bs, bs) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
+        return bq, bk
+    lq, lk = max(spec.lq, 1), max(spec.lk, 1)
+    bk = min(lk, 512)
+    rows = max(1, spec.n * spec.hq)
+    bq = max(16, budget // (rows * bk))
+    if spec.has_band:  # smaller query tiles skip more of a band
+        bq = min(bq, 256)
+    return min(lq, bq), bk
+
+
+def _block_starts(length: int, block: int, device: torch.device) -> Tuple[Tensor, Tensor]:
+    nb = max(1, math.ceil(length / block))
+    start = torch.arange(nb, device=device) * block
+    end = torch.clamp(start + block, max=length)
+    return start, end
+
+
+def _band_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
+    off = spec.diag_offset()
+    if isinstance(off, Tensor):
+        off = off.view(-1, 1, 1)
+    else:
+        off = torch.tensor([off], device=qs.device).view(1, 1, 1)
+    # d = j - i' over the tile ranges [dmin, dmax]; visible when -left <= d <= right
+    dmin = ks.view(1, 1, -1) - (qe.view(1, -1, 1) - 1 + off)
+    dmax = ke.view(1, 1, -1) - 1 - (qs.view(1, -1, 1) + off)
+    lo = -spec.left if spec.left is not None else None
+    hi = spec.right
+    any_ = torch.ones_like(dmin, dtype=torch.bool)
+    full = torch.ones_like(dmin, dtype=torch.bool)
+    if lo is not None:
+        any_ &= dmax >= lo
+        full &= dmin >= lo
+    if hi is not None:
+        any_ &= dmin <= hi
+        full &= dmax <= hi
+    return any_.any(0), full.all(0)
+
+
+def _seqlens_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
+    n = spec.n
+    sq = spec.seqlens_q if spec.seqlens_q is not None else torch.full(
+        (n,), spec.lq, device=qs.device)
+    sk = spec.seqlens_kv if spec.seqlens_kv is not None else torch.full(
+        (n,), spec.lk, device=qs.device)
+    sq, sk = sq.view(-1, 1, 1), sk.view(-1, 1, 1)
+    any_ = (qs.view(1, -1, 1) < sq) & (ks.view(1, 1, -1) < sk)
+    full = (qe.view(1, -1, 1) <= sq) & (ke.view(1, 1, -1) <= sk)
+    return any_.any(0), full.all(0)
+
+
+def _block_reduce(x: Tensor, bq: int, bk: int, fill: bool, op: str) -> Tensor:
+    """Reduce a (Lq', Lk') bool matrix by (bq, bk) blocks with any/all; a dim of size 1 is
+    broadcast (its status is the same for every block)."""
+    lq, lk = x.shape
+    pq = (-lq) % bq if lq > 1 else 0
+    pk = (-lk) % bk if lk > 1 else 0
+    if pq or pk:
+        x = torch.nn.functional.pad(x, (0, pk, 0, pq), value=fill)
+    rq = bq if lq > 1 else 1
+    rk = bk if lk > 1 else 1
+    x = x.view(x.shape[0] // rq, rq, x.shape[1] // rk, rk)
+    return x.any(3).any(1) if op == "any" else x.all(3).all(1)
+
+
+def _mask_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int):
+    m = spec.mask
+    flat_any = m.flatten(0, 1).any(0)
+    flat_all = m.flatten(0, 1).all(0)
+    any_ = _block_reduce(flat_any, bq, bk, False, "any").expand(nqb, nkb)
+    full = _block_reduce(flat_all, bq, bk, True, "all").expand(nqb, nkb)
+    return any_, full
+
+
+def _block_mask_status(spec: AttentionSpec, nqb: int, nkb: int):
+    bm = spec.block_mask
+    listed = bm.to_dense().bool()  # (B|1, H|1, nqb, nkb)
+    full = torch.zeros_like(listed)
+    if bm.full_kv_num_blocks is not None:
+        full = type(bm).from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices,
+                                       BLOCK_SIZE=bm.BLOCK_SIZE,
+                                       seq_lengths=bm.seq_lengths).to_dense().bool()
+    listed = listed.flatten(0, 1)[:, :nqb, :nkb]
+    full = full.flatten(0, 1)[:, :nqb, :nkb]
+    return listed.any(0), full.all(0), listed, full
+
+
+def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] = None) -> Plan:
+    """Build the tile plan for ``spec`` (tile sizes from :func:`choose_tiles` unless given)."""
+    if bq is None or bk is None:
+        bq0, bk0 = choose_tiles(spec)
+        bq, bk = bq or bq0, bk or bk0
+    dev = spec.q.device
+    qs, qe = _block_starts(spec.lq, bq, dev)
+    ks, ke = _block_starts(spec.lk, bk, dev)
+    nqb, nkb = qs.numel(), ks.numel()
+    any_ = torch.ones(nqb, nkb, dtype=torch.bool, device=dev)
+    if spec.lq == 0 or spec.lk == 0:
+        any_.zero_()
+    term_full: Dict[str, Tensor] = {}
+    if spec.has_band:
+        a, f = _band_status(spec, qs, qe, ks, ke)
+        any_ &= a
+        term_full["band"] = f
+    if spec.seqlens_q is not None or spec.seqlens_kv is not None:
+        a, f = _seqlens_status(spec, qs, qe, ks, ke)
+        any_ &= a
+        term_full["seqlens"] = f
+    if spec.mask is not None:
+        a, f = _mask_status(spec, bq, bk, nqb, nkb)
+        any_ &= a
+        term_full["mask"] = f
+    if spec.block_mask is not None:
+        a, f, listed, full = _block_mask_status(spec, nqb, nkb)
+        any_ &= a
+        term_full["block_mask"] = f
+        spec.extras["block_listed"] = listed
+        spec.extras["block_full"] = full
+    if spec.mask_mod is not None:
+        term_full["mask_mod"] = torch.zeros(nqb, nkb, dtype=torch.bool, device=dev)
+    return Plan(bq=bq, bk=bk, lq=spec.lq, lk=spec.lk, any=any_.cpu(),
+                term_full={k: v.cpu() for k, v in term_full.items()})
+
+
+def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Optional[Tensor]:
+    """Bool tile broadcastable to (N, Hq, bq, bk), or None when every pair is visible."""
+    q0, q1 = plan.q_range(qb)
+    k0, k1 = plan.k_range(kb)
+    dev = spec.q.device
+    vis: Optional[Tensor] = None
+
+    def both(x: Tensor) -> None:
+        nonlocal vis
+        vis = x if vis is None else vis & x
+
+    i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+    if plan.needs("band", qb, kb):
+        ip = i + spec.diag_offset()
+        if spec.left is not None:
+            both(j >= ip - spec.left)
+        if spec.right is not None:
+            both(j <= ip + spec.right)
+    if plan.needs("seqlens", qb, kb):
+        if spec.seqlens_q is not None:
+            both(i < spec.seqlens_q.view(-1, 1, 1, 1))
+        if spec.seqlens_kv is not None:
+            both(j < spec.seqlens_kv.view(-1, 1, 1, 1))
+    if plan.needs("mask", qb, kb):
+        both(slice_tile(spec.mask, q0, q1, k0, k1))
+    b = h = None
+    if plan.needs("block_mask", qb, kb):
+        listed = spec.extras["block_listed"][:, qb, kb]
+        full = spec.extras["block_full"][:, qb, kb]
+        nb, nh = spec.block_mask.kv_num_blocks.shape[:2]
+        listed = listed.view(nb, nh, 1, 1)
+        full = full.view(nb, nh, 1, 1)
+        if bool((listed & ~full).any()):
+            b, h = _bh(spec)
+            both(listed & (full | spec.block_mask.mask_mod(b, h, i, j)))
+        else:
+            both(listed)
+    if plan.needs("mask_mod", qb, kb):
+        if b is None:
+            b, h = _bh(spec)
+        both(spec.mask_mod(b, h, i, j))
+    return vis
+
+
+def _bh(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    dev = spec.q.device
+    return (torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
+            torch.arange(spec.hq, device=dev).view(1, -1, 1, 1))
+
+
+def slice_tile(x: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """Slice a canonical 4-D mask/bias (dims 1 or full) to one tile, keeping broadcast dims."""
+    qs = slice(q0, q1) if x.shape[2] > 1 else slice(None)
+    ks = slice(k0, k1) if x.shape[3] > 1 else slice(None)
+    return x[:, :, qs, ks]

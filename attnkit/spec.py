@@ -1,0 +1,446 @@
+"""AttentionSpec: the validated, normalised description of one attention call.
+
+Every front door (``attention``, ``flex_attention``, ``scaled_dot_product_attention``, varlen,
+paged) builds one of these; executors read nothing else. Shapes are canonical here:
+
+    q (N, Hq, Lq, Dqk)   k (N, Hkv, Lk, Dqk)   v (N, Hkv, Lk, Dv)
+
+where N is the product of the broadcast leading batch dims. Mask and bias tensors are kept
+4-D with each dim either 1 (broadcast) or full size, so nothing of size Lq x Lk is created
+that the user did not pass.
+
+The score pipeline, in this order, for query i and key j (i' = i + diagonal offset):
+
+    s = scale * q_i . k_j
+    s = softcap * tanh(s / softcap)          (softcap)
+    s = s + bias[i, j]                       (bias)
+    s = s - slope[h] * |i' - j|              (alibi_slopes)
+    s = score_mod(s, b, h, i, j)             (score_mod)
+    s = -inf where the pair is not visible   (mask, mask_mod, BlockMask, causal, window, seqlens)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+Diagonal = Literal["top_left", "bottom_right"]
+Window = Tuple[Optional[int], Optional[int]]
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class AttentionSpec:
+    """One attention call, validated and in canonical shapes (see the module docstring)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    batch_shape: Tuple[int, ...]
+    squeeze_heads: bool
+    scale: float
+    mask: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    mask_mod: Optional[Callable[..., Tensor]] = None
+    block_mask: Any = None
+    score_mod: Optional[Callable[..., Tensor]] = None
+    score_mod_params: Tuple[Tensor, ...] = ()
+    softcap: Optional[float] = None
+    alibi_slopes: Optional[Tensor] = None
+    left: Optional[int] = None
+    right: Optional[int] = None
+    diagonal: Diagonal = "top_left"
+    seqlens_q: Optional[Tensor] = None
+    seqlens_kv: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+    dropout_mask: Optional[Tensor] = None
+    extras: dict = field(default_factory=dict)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def groups(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def lq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def lk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def dv(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.q.dtype == torch.float64 else torch.float32
+
+    @property
+    def has_band(self) -> bool:
+        return self.left is not None or self.right is not None
+
+    def diag_offset(self) -> Union[int, Tensor]:
+        """i' - i: 0 for top-left, Lk - Lq (per batch row with seqlens) for bottom-right."""
+        if self.diagonal == "top_left":
+            return 0
+        if self.seqlens_q is not None or self.seqlens_kv is not None:
+            sq = self.seqlens_q if self.seqlens_q is not None else torch.full(
+                (self.n,), self.lq, dtype=torch.int64, device=self.q.device)
+            sk = self.seqlens_kv if self.seqlens_kv is not None else torch.full(
+                (self.n,), self.lk, dtype=torch.int64, device=self.q.device)
+            return (sk - sq).view(-1, 1, 1, 1)
+        return self.lk - self.lq
+
+    @property
+    def needs_score_grad_graph(self) -> bool:
+        """The backward must differentiate a user score_mod with autograd."""
+        return self.score_mod is not None
+
+    def output_shape(self, last: int) -> Tuple[int, ...]:
+        if self.squeeze_heads:
+            return (self.lq, last)
+        return (*self.batch_shape, self.hq, self.lq, last)
+
+    def lse_shape(self) -> Tuple[int, ...]:
+        if self.squeeze_heads:
+            return (self.lq,)
+        return (*self.batch_shape, self.hq, self.lq)
+
+
+# ---- validation helpers --------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x: Any) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; attention needs a floating dtype "
+            f"(float64, float32, bfloat16 or float16): convert with {name}.float()")
+    if x.dim() < 2:
+        raise ValueError(
+            f"{name} must have at least 2 dims (L, D); got shape {tuple(x.shape)}")
+    return x
+
+
+def _broadcast_batch(shapes: Sequence[Tuple[str, Tuple[int, ...]]]) -> Tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*[s for _, s in shapes]))
+    except RuntimeError:
+        desc = ", ".join(f"{n} {tuple(s)}" for n, s in shapes)
+        raise ValueError(
+            f"the leading batch dims do not broadcast: {desc}; make them equal or 1") from None
+
+
+def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: "
+            f"convert them to one dtype first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q and k must have the same head dim (last dim); got q {q.shape[-1]} and "
+            f"k {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(
+            f"k and v must have the same length (dim -2); got k {k.shape[-2]} and "
+            f"v {v.shape[-2]}")
+    dims = {q.dim(), k.dim(), v.dim()}
+    squeeze = dims == {2}
+    if 2 in dims and not squeeze:
+        raise ValueError(
+            f"q, k and v must all be 2-D (L, D) or all have a head dim (..., H, L, D); got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if squeeze:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != hkv:
+        raise ValueError(
+            f"k and v must have the same number of heads; got k {hkv} and v {v.shape[-3]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"q has {hq} heads and k has {hkv}; the number of query heads must be a multiple "
+            f"of the number of key/value heads (grouped-query attention)")
+    batch = _broadcast_batch([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
+    n = math.prod(batch)
+
+    def canon(x: Tensor) -> Tensor:
+        x = x.expand(*batch, *x.shape[-3:])
+        return x.reshape(n, *x.shape[-3:])
+
+    return canon(q), canon(k), canon(v), batch, squeeze
+
+
+def _canonical_4d(name: str, x: Tensor, batch: Tuple[int, ...], n: int,
+                  full: Tuple[int, int, int]) -> Tensor:
+    """Reshape a mask/bias broadcastable to (*batch, H, Lq, Lk) into 4-D (n|1, H|1, Lq|1, Lk|1)."""
+    target = (*batch, *full)
+    if x.dim() > len(target):
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, which does not broadcast to the scores "
+            f"{target} (batch, heads, Lq, Lk)")
+    shape = (1,) * (len(target) - x.dim()) + tuple(x.shape)
+    for got, want in zip(shape, target):
+        if got not in (1, want):
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, which does not broadcast to the scores "
+                f"{target} (batch, heads, Lq, Lk); each dim must be 1 or equal")
+    x = x.reshape(shape)
+    bshape = shape[: len(batch)]
+    if all(s == 1 for s in bshape):
+        return x.reshape(1, *shape[len(batch):])
+    x = x.expand(*batch, *shape[len(batch):])
+    return x.reshape(n, *shape[len(batch):])
+
+
+def _check_scale(scale: Any, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a number; got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float; got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be finite and > 0; got {scale}. Leave it None for "
+                         f"1/sqrt(head_dim)")
+    return scale
+
+
+def _check_window(window: Any) -> Tuple[Optional[int], Optional[int]]:
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints or None; got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"window {side} size must be an int or None; got {w!r}")
+        if w < 0:
+            raise ValueError(
+                f"window {side} size must be >= 0 (None for unbounded); got {w}")
+        out.append(w)
+    return out[0], out[1]
+
+
+def _check_seqlens(name: str, x: Any, n: int, limit: int, device: torch.device) -> Tensor:
+    if not isinstance(x, Tensor):
+        x = torch.as_tensor(x)
+    if x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of shape ({n},); got dtype {x.dtype}")
+    if x.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (one length per batch row); "
+                         f"got {tuple(x.shape)}")
+    x = x.to(device=device, dtype=torch.int64)
+    if n and (int(x.min()) < 0 or int(x.max()) > limit):
+        raise ValueError(f"{name} must lie in [0, {limit}]; got min {int(x.min())}, "
+                         f"max {int(x.max())}")
+    return x
+
+
+def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
+    """Tensors that require grad and that a mod closes over (searched through nested closures,
+    ``functools.partial`` objects, lists, tuples and dicts). They become explicit inputs of the
+    autograd node, so gradients reach them."""
+    seen = set() if _seen is None else _seen
+    found: list = []
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+            return
+        if isinstance(obj, (list, tuple, set)):
+            for item in obj:
+                visit(item)
+            return
+        if isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+            return
+        func = getattr(obj, "func", None)  # functools.partial
+        if func is not None and hasattr(obj, "args"):
+            visit(func)
+            visit(obj.args)
+            visit(getattr(obj, "keywords", {}) or {})
+            return
+        closure = getattr(obj, "__closure__", None)
+        if closure:
+            for cell in closure:
+                try:
+                    visit(cell.cell_contents)
+                except ValueError:  # empty cell
+                    pass
+        defaults = getattr(obj, "__defaults__", None)
+        if defaults:
+            visit(defaults)
+        if hasattr(obj, "__self__"):  # bound method
+            visit(getattr(obj, "__self__"))
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict) and not isinstance(obj, type):
+            visit(attrs)
+
+    visit(fn)
+    unique, ids = [], set()
+    for t in found:
+        if id(t) not in ids:
+            ids.add(id(t))
+            unique.append(t)
+    return unique
+
+
+def _is_block_mask(x: Any) -> bool:
+    return hasattr(x, "kv_num_blocks") and hasattr(x, "BLOCK_SIZE") and hasattr(x, "mask_mod")
+
+
+def build_spec(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: Any = None,
+    mask: Any = None,
+    bias: Optional[Tensor] = None,
+    causal: bool = False,
+    window: Any = None,
+    diagonal: str = "top_left",
+    score_mod: Optional[Callable[..., Tensor]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    seqlens_q: Any = None,
+    seqlens_kv: Any = None,
+    sinks: Optional[Tensor] = None,
+) -> AttentionSpec:
+    """Validate the arguments of one call and normalise them into an :class:`AttentionSpec`."""
+    qc, kc, vc, batch, squeeze = _canonical_qkv(q, k, v)
+    n, hq, lq, d = qc.shape
+    lk = kc.shape[2]
+    spec = AttentionSpec(q=qc, k=kc, v=vc, batch_shape=batch, squeeze_heads=squeeze,
+                         scale=_check_scale(scale, d))
+    full = (hq, lq, lk)
+
+    if diagonal not in ("top_left", "bottom_right"):
+        raise ValueError(f"diagonal must be 'top_left' or 'bottom_right'; got {diagonal!r}")
+    spec.diagonal = diagonal  # type: ignore[assignment]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    left, right = _check_window(window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    spec.left, spec.right = left, right
+
+    if mask is not None:
+        if isinstance(mask, Tensor):
+            if mask.dtype != torch.bool:
+                raise TypeError(
+                    f"mask must be a bool tensor (True = may attend); got dtype {mask.dtype}. "
+                    f"For an additive float mask pass it as bias=")
+            if mask.device != qc.device:
+                raise ValueError(f"mask is on {mask.device} but q is on {qc.device}")
+            spec.mask = _canonical_4d("mask", mask, batch, n, full)
+        elif _is_block_mask(mask):
+            _check_block_mask(mask, n, hq, lq, lk)
+            spec.block_mask = mask
+        elif callable(mask):
+            spec.mask_mod = mask
+        else:
+            raise TypeError(
+                f"mask must be a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool "
+                f"or a BlockMask; got {type(mask).__name__}")
+
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"bias must be a float tensor; got {type(bias).__name__}")
+        if not bias.dtype.is_floating_point:
+            raise TypeError(
+                f"bias must be a float tensor added to the scores; got dtype {bias.dtype}. "
+                f"For a bool mask pass it as mask=")
+        if bias.device != qc.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {qc.device}")
+        spec.bias = _canonical_4d("bias", bias, batch, n, full)
+
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod must be a callable (score, b, h, q_idx, kv_idx) -> "
+                            f"score; got {type(score_mod).__name__}")
+        spec.score_mod = score_mod
+        spec.score_mod_params = tuple(find_captured_tensors(score_mod))
+
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float > 0 or None; got {softcap!r}")
+        if not math.isfinite(softcap) or softcap <= 0:
+            raise ValueError(f"softcap must be finite and > 0 (None turns it off); got {softcap}")
+        spec.softcap = float(softcap)
+
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes)
+        if not slopes.dtype.is_floating_point:
+            slopes = slopes.float()
+        if slopes.shape not in ((hq,), (n, hq)) and not (slopes.dim() == 2
+                                                          and slopes.shape == (1, hq)):
+            raise ValueError(f"alibi_slopes must have shape ({hq},) or ({n}, {hq}); got "
+                             f"{tuple(slopes.shape)}")
+        slopes = slopes.to(device=qc.device, dtype=torch.float64 if qc.dtype == torch.float64
+                           else torch.float32)
+        spec.alibi_slopes = slopes.reshape(-1, hq) if slopes.dim() == 2 else slopes.view(1, hq)
+
+    if seqlens_q is not None:
+        spec.seqlens_q = _check_seqlens("seqlens_q", seqlens_q, n, lq, qc.device)
+    if seqlens_kv is not None:
+        spec.seqlens_kv = _check_seqlens("seqlens_kv", seqlens_kv, n, lk, qc.device)
+
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must be a float tensor of shape ({hq},)")
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks must have shape ({hq},) (one logit per query head); got "
+                             f"{tuple(sinks.shape)}")
+        spec.sinks = sinks
+    return spec
+
+
+def _check_block_mask(bm: Any, n: int, hq: int, lq: int, lk: int) -> None:
+    seq = tuple(getattr(bm, "seq_lengths", (lq, lk)))
+    if seq != (lq, lk):
+        raise ValueError(f"the BlockMask was built for (Q_LEN, KV_LEN) = {seq} but the inputs "
+                         f"have ({lq}, {lk}); rebuild it with create_block_mask")
+    bb, bh = bm.kv_num_blocks.shape[:2]
+    if bb not in (1, n) or bh not in (1, hq):
+        raise ValueError(f"the BlockMask has batch {bb} and heads {bh}; expected 1 or {n} and "
+                         f"1 or {hq}")
