@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import ModuleType
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .plan import Plan, make_plan
 from .spec import AttentionSpec
 
 
@@ -18,7 +17,7 @@ class _AttentionFunction(torch.autograd.Function):
     dtype), lse and max_scores (compute dtype). lse is differentiable; max_scores is not."""
 
     @staticmethod
-    def forward(ctx, spec: AttentionSpec, plan: Plan, executor: ModuleType, q: Tensor,
+    def forward(ctx, spec: AttentionSpec, plan: Any, executor: ModuleType, q: Tensor,
                 k: Tensor, v: Tensor, bias: Optional[Tensor], sinks: Optional[Tensor],
                 *params: Tensor):
         res = executor.forward(spec, plan)
@@ -52,8 +51,8 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def run(spec: AttentionSpec, executor: ModuleType,
-        plan: Optional[Plan] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        plan: Optional[Any] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Run ``spec`` on ``executor`` through the autograd node; canonical shapes out."""
-    plan = plan if plan is not None else make_plan(spec)
+    plan = plan if plan is not None else executor.make_executor_plan(spec)
     return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v, spec.bias,
                                     spec.sinks, *spec.score_mod_params)

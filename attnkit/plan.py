@@ -21,6 +21,8 @@ from .spec import AttentionSpec
 
 #: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
 TILE_ELEMENTS = 1 << 21
+#: Largest key tile of the tiled executor.
+MAX_KEY_TILE = 512
 
 
 @dataclass
@@ -65,17 +67,18 @@ class Plan:
         return int(self.any.sum())
 
 
-def choose_tiles(spec: AttentionSpec, budget: int = TILE_ELEMENTS) -> Tuple[int, int]:
+def choose_tiles(spec: AttentionSpec, budget: Optional[int] = None) -> Tuple[int, int]:
     """Tile sizes: a BlockMask's own blocks; otherwise key tiles of up to 512 and query tiles
     that keep one score tile within ``budget`` elements."""
     if spec.block_mask is not None:
         bs = spec.block_mask.BLOCK_SIZE
         bq, bk = (bs, bs) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
         return bq, bk
+    budget = TILE_ELEMENTS if budget is None else budget
     lq, lk = max(spec.lq, 1), max(spec.lk, 1)
-    bk = min(lk, 512)
+    bk = min(lk, MAX_KEY_TILE)
     rows = max(1, spec.n * spec.hq)
-    bq = max(16, budget // (rows * bk))
+    bq = max(1, budget // (rows * bk))
     if spec.has_band:  # smaller query tiles skip more of a band
         bq = min(bq, 256)
     return min(lq, bq), bk

@@ -310,7 +310,7 @@ def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
         if defaults:
             visit(defaults)
         if hasattr(obj, "__self__"):  # bound method
-            visit(getattr(obj, "__self__"))
+            visit(obj.__self__)
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict) and not isinstance(obj, type):
             visit(attrs)

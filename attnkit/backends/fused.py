@@ -1,13 +1,382 @@
-"""Executor on torch's fused CPU flash kernel (filled in by the planner work; see tiled.py)."""
+"""Executor on torch's fused CPU flash kernel, driven by the plan.
+
+torch (>= 2.2) ships ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``
+twin: a fused, multithreaded FlashAttention for CPU that returns the log-sum-exp and takes an
+additive mask. attnkit uses it as a kernel and does the planning itself:
+
+- no mask term and no additive term: one call on the whole problem (torch's own speed);
+- otherwise, per query block, the key blocks with work are split into runs of *full* blocks
+  (one call each, no mask) and the *partial* blocks (one call on the gathered keys with an
+  additive mask built from the spec's mask terms, or ``is_causal`` for a lone diagonal block);
+  additive score terms (bias, ALiBi, additive score_mods) make one masked call over every key
+  block with work. Pieces merge by their LSE.
+- backward calls the fused backward once per forward piece with the *final* output and LSE of
+  the whole row, which is exact (P = exp(S - lse_row) for the piece's keys), and accumulates
+  dq, dk, dv. Learnable bias or score_mod tensors, and a gradient through the LSE, need dS
+  itself, which the fused kernel does not expose: those backwards run on the tiled executor
+  (same math, same result).
+
+This is a private torch API, so it is used only behind a version check; where it is missing
+``not_supported_reasons`` says so and the tiled executor runs.
+"""
 
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..plan import Plan, make_plan, tile_visibility
 from ..spec import AttentionSpec
+from . import tiled
 
 NAME = "fused"
 
+#: Query (and key) block of the fused schedule.
+BLOCK = 256
+#: Largest additive-mask tile (elements) one masked call may build.
+MASK_ELEMENTS = 1 << 24
+
+
+def _torch_version() -> Tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (ValueError, IndexError):
+        return (0, 0)
+
+
+def _load_ops() -> Tuple[Optional[Callable], Optional[Callable]]:
+    if _torch_version() < (2, 2):
+        return None, None
+    aten = torch.ops.aten
+    try:
+        fwd = aten._scaled_dot_product_flash_attention_for_cpu
+        bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):
+        return None, None
+    return fwd, bwd
+
+
+FWD_OP, BWD_OP = _load_ops()
+
+
+def is_additive(score_mod: Optional[Callable]) -> bool:
+    return score_mod is None or callable(getattr(score_mod, "_attnkit_bias", None))
+
+
+def has_additive_terms(spec: AttentionSpec) -> bool:
+    return spec.bias is not None or spec.alibi_slopes is not None or spec.score_mod is not None
+
 
 def not_supported_reasons(spec: AttentionSpec) -> List[str]:
-    return ["the fused CPU executor is not built yet"]
+    """Why the fused kernel cannot run ``spec`` (empty when it can)."""
+    reasons = []
+    if FWD_OP is None or BWD_OP is None:
+        reasons.append(f"torch {torch.__version__} has no fused CPU flash kernel "
+                       f"(aten::_scaled_dot_product_flash_attention_for_cpu, torch >= 2.2)")
+    if spec.q.device.type != "cpu":
+        reasons.append(f"inputs are on {spec.q.device}; the fused kernel runs on the CPU")
+    if spec.softcap is not None:
+        reasons.append("softcap is not additive; the fused kernel takes only an additive mask")
+    if not is_additive(spec.score_mod):
+        reasons.append("the score_mod is not additive (no _attnkit_bias); the fused kernel "
+                       "takes only an additive mask")
+    if spec.dropout_p > 0.0 or spec.dropout_mask is not None:
+        reasons.append("dropout: torch's fused CPU kernel has no dropout")
+    return reasons
+
+
+# ---- schedule ------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """One fused call: query rows [q0, q1) against a set of keys."""
+
+    qb: int
+    q0: int
+    q1: int
+    keys: Optional[Tuple[int, int]]  # contiguous key range, or None with ``kbs`` gathered
+    kbs: Tuple[int, ...]  # key blocks (for masks and gathering)
+    masked: bool  # needs an additive mask built from the spec
+    causal: bool  # lone diagonal block: is_causal=True, no mask
+
+
+@dataclass
+class FusedPlan:
+    plan: Plan
+    pieces: List[Piece]
+    whole: bool  # one call on the whole problem, no mask
+
+
+def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
+    bs = BLOCK
+    if spec.block_mask is not None:
+        b = spec.block_mask.BLOCK_SIZE
+        bq, bk = (b, b) if isinstance(b, int) else (int(b[0]), int(b[1]))
+    else:
+        bq = bk = bs
+        if has_additive_terms(spec):  # keep the additive-mask tile bounded
+            rows = spec.n * spec.hq * max(spec.lk, 1)
+            bq = max(16, min(bs, MASK_ELEMENTS // rows))
+    plan = make_plan(spec, bq=bq, bk=bk)
+    if not plan.term_full and not has_additive_terms(spec) and spec.lq > 0 and spec.lk > 0:
+        return FusedPlan(plan=plan, pieces=[], whole=True)
+    pieces: List[Piece] = []
+    additive = has_additive_terms(spec)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        if additive:
+            pieces.append(_piece(plan, qb, kbs, masked=True))
+            continue
+        full = [kb for kb in kbs if _tile_full(plan, qb, kb)]
+        partial = [kb for kb in kbs if not _tile_full(plan, qb, kb)]
+        for run in _runs(full):
+            pieces.append(_piece(plan, qb, run, masked=False))
+        if partial:
+            causal = (len(partial) == 1 and _is_causal_diagonal(spec, plan, qb, partial[0]))
+            pieces.append(_piece(plan, qb, partial, masked=not causal, causal=causal))
+    return FusedPlan(plan=plan, pieces=pieces, whole=False)
+
+
+def _tile_full(plan: Plan, qb: int, kb: int) -> bool:
+    return all(bool(f[qb, kb]) for f in plan.term_full.values())
+
+
+def _runs(kbs: List[int]) -> List[List[int]]:
+    runs: List[List[int]] = []
+    for kb in kbs:
+        if runs and runs[-1][-1] == kb - 1:
+            runs[-1].append(kb)
+        else:
+            runs.append([kb])
+    return runs
+
+
+def _piece(plan: Plan, qb: int, kbs: List[int], masked: bool, causal: bool = False) -> Piece:
+    q0, q1 = plan.q_range(qb)
+    contiguous = all(b - a == 1 for a, b in zip(kbs, kbs[1:]))
+    keys = (plan.k_range(kbs[0])[0], plan.k_range(kbs[-1])[1]) if contiguous else None
+    return Piece(qb=qb, q0=q0, q1=q1, keys=keys, kbs=tuple(kbs), masked=masked, causal=causal)
+
+
+def _is_causal_diagonal(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> bool:
+    """The tile's visibility is exactly top-left causal within the tile (band term only)."""
+    if set(plan.term_full) != {"band"} or spec.right != 0:
+        return False
+    off = spec.diag_offset()
+    if not isinstance(off, int):
+        return False
+    q0, q1 = plan.q_range(qb)
+    k0, k1 = plan.k_range(kb)
+    if q0 + off != k0 or q1 - q0 != k1 - k0:
+        return False
+    return spec.left is None or spec.left >= (q1 - q0 - 1)
+
+
+# ---- tensors of one piece ------------------------------------------------------------------
+
+
+class _Inputs:
+    def __init__(self, spec: AttentionSpec):
+        d, dv = spec.q.shape[-1], spec.dv
+        self.width = max(d, dv)
+        self.q = _pad(spec.q, self.width)
+        self.k = _pad(spec.k, self.width)
+        self.v = _pad(spec.v, self.width)
+
+    def keys(self, fplan: FusedPlan, piece: Piece, x: Tensor) -> Tensor:
+        """The piece's keys (or values) of ``x``: a slice, or gathered blocks."""
+        if piece.keys is not None:
+            return x[:, :, piece.keys[0]:piece.keys[1]]
+        return x.index_select(2, _key_index(fplan.plan, piece, x.device))
+
+
+def _pad(x: Tensor, width: int) -> Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _key_index(plan: Plan, piece: Piece, device: torch.device) -> Tensor:
+    return torch.cat([torch.arange(*plan.k_range(kb), device=device) for kb in piece.kbs])
+
+
+def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torch.dtype
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+    """Additive mask (N|1, Hq|1, bq, keys) for one piece, and the rows that see some key
+    (None when every row does)."""
+    plan = fplan.plan
+    dev = spec.q.device
+    j = (torch.arange(*piece.keys, device=dev) if piece.keys is not None
+         else _key_index(plan, piece, dev))
+    add = _additive(spec, piece.q0, piece.q1, j, piece.keys, dtype)
+    vis_parts = [tile_visibility(spec, plan, piece.qb, kb) for kb in piece.kbs]
+    vis = None
+    if any(v is not None for v in vis_parts):
+        widths = [plan.k_range(kb)[1] - plan.k_range(kb)[0] for kb in piece.kbs]
+        lead = torch.broadcast_shapes(*[v.shape[:3] for v in vis_parts if v is not None])
+        vis = torch.cat([(v if v is not None else torch.ones(1, 1, 1, 1, dtype=torch.bool,
+                                                               device=dev))
+                         .expand(*lead, w) for v, w in zip(vis_parts, widths)], dim=3)
+    if add is None:
+        zero = torch.zeros((), dtype=dtype, device=dev)
+        mask = torch.where(vis, zero, torch.full((), float("-inf"), dtype=dtype, device=dev))
+    elif vis is not None:
+        mask = add.masked_fill(~vis, float("-inf"))
+    else:
+        mask = add
+    if spec.bias is not None or spec.score_mod is not None:
+        seen = torch.isfinite(mask).any(-1)  # a bias may hold -inf
+    else:
+        seen = vis.any(-1) if vis is not None else None
+    return mask, seen
+
+
+def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
+              keys: Optional[Tuple[int, int]], dtype: torch.dtype) -> Optional[Tensor]:
+    """Sum of the additive score terms for query rows [q0, q1) and key positions ``j`` (the
+    contiguous range ``keys`` when not None)."""
+    tile: Optional[Tensor] = None
+    dev = spec.q.device
+    i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+    jj = j.view(1, 1, 1, -1)
+    if spec.bias is not None:
+        b = spec.bias.detach()
+        b = b[:, :, q0:q1] if b.shape[2] > 1 else b
+        if b.shape[3] > 1:
+            b = b[..., keys[0]:keys[1]] if keys is not None else b.index_select(3, j)
+        tile = b.to(dtype)
+    if spec.alibi_slopes is not None:
+        dist = (i + spec.diag_offset() - jj).abs_().to(dtype)
+        term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
+        tile = term if tile is None else tile + term
+    if spec.score_mod is not None:
+        bh = torch.arange(spec.n, device=dev).view(-1, 1, 1, 1)
+        hh = torch.arange(spec.hq, device=dev).view(1, -1, 1, 1)
+        with torch.no_grad():
+            term = spec.score_mod._attnkit_bias(bh, hh, i, jj).to(dtype)
+        tile = term if tile is None else tile + term
+    return tile
+
+
+def _mask_dtype(spec: AttentionSpec) -> torch.dtype:
+    return torch.float64 if spec.q.dtype == torch.float64 else torch.float32
+
+
+# ---- forward and backward ------------------------------------------------------------------
+
+
+def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
+    """Run the schedule; merge pieces by LSE. Returns compute-dtype output, LSE, max scores."""
+    cd = spec.compute_dtype
+    inp = _Inputs(spec)
+    n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
+    if fplan.whole:
+        out, lse = FWD_OP(inp.q, inp.k, inp.v, 0.0, False, scale=spec.scale)
+        out, lse = out[..., :dv].to(cd), lse.to(cd)
+        if spec.sinks is not None:
+            out, lse = _add_sinks(spec, out, lse)
+        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+    out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+    lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
+    md = _mask_dtype(spec)
+    started = set()
+    for piece in fplan.pieces:
+        qs = slice(piece.q0, piece.q1)
+        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+        mask = seen = None
+        if piece.masked:
+            mask, seen = _piece_mask(spec, fplan, piece, md)
+        o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
+                      scale=spec.scale)
+        o, l = o[..., :dv], l.to(cd)
+        if seen is not None:
+            l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
+        if piece.qb in started:
+            _merge_into(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
+        else:
+            started.add(piece.qb)
+            out[:, :, qs] = o
+            lse[:, :, qs] = l
+    if spec.sinks is not None:
+        out, lse = _add_sinks(spec, out, lse)
+    return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+
+
+def _no_max(lse: Tensor) -> Tensor:
+    # The fused kernel does not report row maxima; callers that ask for them use the tiled
+    # executor (see api). NaN marks "not computed" rather than a wrong number.
+    return torch.full_like(lse, float("nan"))
+
+
+def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """In place: (out, lse) <- merge of (out, lse) and (o, l); -inf LSEs contribute nothing."""
+    new = torch.logaddexp(lse, l)
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    w_new = torch.exp(l - safe).unsqueeze(-1)
+    out.copy_(out * w_old + o * w_new)
+    lse.copy_(new)
+
+
+def _add_sinks(spec: AttentionSpec, out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    sink = spec.sinks.detach().to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1), total
+
+
+def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, dout: Tensor,
+             dlse: Optional[Tensor] = None) -> tiled.Grads:
+    """Fused backward per forward piece with the row's final out and LSE; learnable additive
+    terms and LSE gradients go to the tiled backward."""
+    needs_ds = (dlse is not None or (spec.bias is not None and spec.bias.requires_grad)
+                or bool(spec.score_mod_params))
+    if needs_ds:
+        return tiled.backward(spec, fplan.plan, out, lse, dout, dlse)
+    cd = spec.compute_dtype
+    inp = _Inputs(spec)
+    dv_w = spec.dv
+    lse_c = lse.to(torch.float64 if spec.q.dtype == torch.float64 else torch.float32)
+    lse_k = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+    out_p = _pad(out, inp.width)
+    dout_p = _pad(dout.to(out.dtype), inp.width)
+    dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
+    dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
+    dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
+    md = _mask_dtype(spec)
+    if fplan.whole:
+        g = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False, scale=spec.scale)
+        dq, dk, dvv = (x.to(cd) for x in g)
+    for piece in fplan.pieces:
+        qs = slice(piece.q0, piece.q1)
+        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+        mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
+        gq, gk, gv = BWD_OP(dout_p[:, :, qs], inp.q[:, :, qs], kp, vp, out_p[:, :, qs],
+                            lse_k[:, :, qs], 0.0, piece.causal, attn_mask=mask,
+                            scale=spec.scale)
+        dq[:, :, qs] += gq.to(cd)
+        if piece.keys is not None:
+            dk[:, :, piece.keys[0]:piece.keys[1]] += gk.to(cd)
+            dvv[:, :, piece.keys[0]:piece.keys[1]] += gv.to(cd)
+        else:
+            idx = _key_index(fplan.plan, piece, spec.q.device)
+            dk.index_add_(2, idx, gk.to(cd))
+            dvv.index_add_(2, idx, gv.to(cd))
+    d = spec.q.shape[-1]
+    dsinks = None
+    if spec.sinks is not None and spec.sinks.requires_grad:
+        delta = (dout.to(cd) * out.to(cd)).sum(-1)
+        p_sink = torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k.to(cd))
+        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+    return tiled.Grads(dq=dq[..., :d], dk=dk[..., :d], dv=dvv[..., :dv_w], dbias=None,
+                       dsinks=dsinks, dparams=())
+
+
+def make_executor_plan(spec: AttentionSpec) -> FusedPlan:
+    return make_fused_plan(spec)

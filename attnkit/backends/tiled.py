@@ -270,3 +270,10 @@ def _accumulate_broadcast(acc: Tensor, g: Tensor, q0: int, q1: int, k0: int, k1:
     if dims:
         g = g.sum(dim=dims, keepdim=True)
     slice_tile(acc, q0, q1, k0, k1).add_(g)
+
+
+def make_executor_plan(spec: AttentionSpec) -> Plan:
+    """The tiled executor's plan: tiles sized by :func:`attnkit.plan.choose_tiles`."""
+    from ..plan import make_plan
+
+    return make_plan(spec)

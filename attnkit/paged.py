@@ -1,0 +1,354 @@
+"""A paged key/value cache (FlashAttention / vLLM layout) and the gather that reads it.
+
+Keys and values live in fixed-size pages shared by all sequences; each sequence owns an ordered
+list of pages (its row of the block table), so sequences grow without reallocation and freed
+pages are reused by any other sequence::
+
+    k_pages (num_pages, page_size, Hkv, Dqk)      v_pages (num_pages, page_size, Hkv, Dv)
+
+    page_size = 4, sequence "a" of 6 tokens on pages [2, 0], "b" of 3 tokens on page [1]:
+
+        page 0: a4 a5 .  .       block_table = [[2, 0],     seqlens = [6, 3]
+        page 1: b0 b1 b2 .                      [1, 0]]
+        page 2: a0 a1 a2 a3      (row "b" padded with 0)
+
+Token ``t`` of a sequence sits at ``(block_table[b, t // page_size], t % page_size)``.
+
+Shape legend: B sequences in a batch, Hkv key/value heads, Dqk key head dim, Dv value head
+dim, Lmax the longest sequence of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["PagedKVCache", "gather_kv", "OutOfPagesError", "UnknownSequenceError"]
+
+
+class OutOfPagesError(ValueError):
+    """An append needs more pages than the cache has free; the cache is left unchanged."""
+
+
+class UnknownSequenceError(KeyError):
+    """A sequence id that was never allocated (or was already freed)."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class PagedKVCache:
+    """Key/value pages plus the bookkeeping of which sequence owns which page.
+
+    Args:
+        num_pages: number of pages in the pool.
+        page_size: tokens per page.
+        num_kv_heads: key/value heads (Hkv).
+        head_dim: key head dim (Dqk).
+        dtype: floating dtype of the pages; appended tokens must already have it.
+        device: device of the pages; appended tokens must already be there.
+        v_head_dim: value head dim (Dv); defaults to ``head_dim``.
+
+    Attributes:
+        k_pages: ``(num_pages, page_size, Hkv, Dqk)`` tensor (zero-initialised).
+        v_pages: ``(num_pages, page_size, Hkv, Dv)`` tensor (zero-initialised).
+
+    Pages come from a free list, most recently freed first; freeing a sequence returns its
+    pages without clearing them (readers use ``seqlens`` to know what is valid). The cache
+    stores values, not autograd history: appended tensors are detached.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+        v_head_dim: Optional[int] = None,
+    ) -> None:
+        self.num_pages = _positive_int("num_pages", num_pages)
+        self.page_size = _positive_int("page_size", page_size)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.v_head_dim = _positive_int("v_head_dim", head_dim if v_head_dim is None
+                                        else v_head_dim)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.k_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.head_dim,
+                                   dtype=dtype, device=self.device)
+        self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
+                                   dtype=dtype, device=self.device)
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() -> lowest first
+        self._pages: Dict[Hashable, List[int]] = {}
+        self._lens: Dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not owned by any sequence."""
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> Tuple[Hashable, ...]:
+        """Allocated sequence ids, in allocation order."""
+        return tuple(self._pages)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._pages
+
+    def _check_known(self, seq_id: Hashable) -> None:
+        if seq_id not in self._pages:
+            known = ", ".join(repr(s) for s in list(self._pages)[:8])
+            more = ", ..." if len(self._pages) > 8 else ""
+            raise UnknownSequenceError(
+                f"unknown sequence {seq_id!r}; call allocate({seq_id!r}) before appending to or "
+                f"reading it (allocated: [{known}{more}])")
+
+    def allocate(self, seq_id: Hashable) -> None:
+        """Register an empty sequence; pages are taken only when tokens are appended."""
+        try:
+            hash(seq_id)
+        except TypeError as e:
+            raise TypeError(f"seq_id must be hashable, got {type(seq_id).__name__}") from e
+        if seq_id in self._pages:
+            raise ValueError(
+                f"sequence {seq_id!r} is already allocated ({self._lens[seq_id]} tokens); "
+                f"append to it, or free({seq_id!r}) it first to start over")
+        self._pages[seq_id] = []
+        self._lens[seq_id] = 0
+
+    def free(self, seq_id: Hashable) -> None:
+        """Forget a sequence and return its pages to the free list (contents are not cleared)."""
+        self._check_known(seq_id)
+        self._free.extend(reversed(self._pages.pop(seq_id)))
+        del self._lens[seq_id]
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Number of tokens stored for ``seq_id``."""
+        self._check_known(seq_id)
+        return self._lens[seq_id]
+
+    def pages_of(self, seq_id: Hashable) -> List[int]:
+        """Page indices owned by ``seq_id``, in token order (a copy)."""
+        self._check_known(seq_id)
+        return list(self._pages[seq_id])
+
+    # ------------------------------------------------------------------ writing
+
+    def _check_tokens(self, name: str, x: Tensor, dim: int) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        want = (self.num_kv_heads, dim)
+        if x.dim() != 3 or tuple(x.shape[1:]) != want:
+            raise ValueError(
+                f"{name} must have shape (T, num_kv_heads={want[0]}, {dim}) (token-major), got "
+                f"{tuple(x.shape)}; for a (Hkv, T, D) tensor pass {name}.transpose(0, 1)")
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but the cache stores {self.dtype}; convert with "
+                f"{name}.to({self.dtype}) or build the cache with dtype={x.dtype}")
+        if x.device != self.device:
+            raise ValueError(
+                f"{name} is on {x.device} but the cache is on {self.device}; move it with "
+                f"{name}.to('{self.device}')")
+
+    def append(self, seq_id: Hashable, k: Tensor, v: Tensor) -> None:
+        """Append ``T`` tokens to ``seq_id``, taking pages from the free list as needed.
+
+        Args:
+            seq_id: an allocated sequence.
+            k: ``(T, Hkv, Dqk)`` keys, token-major, the cache's dtype and device.
+            v: ``(T, Hkv, Dv)`` values.
+
+        ``T`` may be anything >= 0 and may span page boundaries. Raises
+        :class:`OutOfPagesError` when the free pages do not suffice; nothing changes then.
+        """
+        self._check_known(seq_id)
+        self._check_tokens("k", k, self.head_dim)
+        self._check_tokens("v", v, self.v_head_dim)
+        T = k.shape[0]
+        if v.shape[0] != T:
+            raise ValueError(
+                f"k has {T} tokens but v has {v.shape[0]}; append keys and values together")
+        if T == 0:
+            return
+        P = self.page_size
+        length, pages = self._lens[seq_id], self._pages[seq_id]
+        need = -(-(length + T) // P) - len(pages)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"appending {T} tokens to sequence {seq_id!r} (length {length}, page_size {P}) "
+                f"needs {need} more pages but only {len(self._free)} of {self.num_pages} are "
+                f"free; free finished sequences or build the cache with more pages "
+                f"(num_pages >= {self.num_pages - len(self._free) + need})")
+        new_pages = [self._free.pop() for _ in range(need)]
+        try:
+            table = torch.tensor(pages + new_pages, dtype=torch.int64, device=self.device)
+            pos = torch.arange(length, length + T, device=self.device)
+            slots = table[pos // P] * P + pos % P
+            with torch.no_grad():
+                self.k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                    0, slots, k.detach())
+                self.v_pages.view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(
+                    0, slots, v.detach())
+        except BaseException:
+            self._free.extend(reversed(new_pages))
+            raise
+        pages.extend(new_pages)
+        self._lens[seq_id] = length + T
+
+    # ------------------------------------------------------------------ reading
+
+    def block_table(self, seq_ids: Sequence[Hashable]) -> Tuple[Tensor, Tensor]:
+        """Block table and lengths of a batch of sequences, on the cache's device.
+
+        Returns:
+            block_table: int32 ``(B, max_pages)``, row ``b`` = ``pages_of(seq_ids[b])`` padded
+                with 0 (a valid page index, so kernels that read a whole row stay in bounds;
+                entries past ``ceil(seqlens[b] / page_size)`` carry no meaning).
+            seqlens: int32 ``(B,)``.
+        """
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
+            raise TypeError(
+                f"seq_ids must be a sequence of ids (e.g. a list), got {type(seq_ids).__name__}"
+                f"; for one sequence pass [seq_id]")
+        for s in seq_ids:
+            self._check_known(s)
+        width = max((len(self._pages[s]) for s in seq_ids), default=0)
+        rows = [self._pages[s] + [0] * (width - len(self._pages[s])) for s in seq_ids]
+        table = torch.tensor(rows, dtype=torch.int32).reshape(len(seq_ids), width)
+        lens = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32)
+        return table.to(self.device), lens.to(self.device)
+
+    def gather(self, seq_ids: Sequence[Hashable]) -> Tuple[Tensor, Tensor]:
+        """Contiguous ``k (B, Hkv, Lmax, Dqk)``, ``v (B, Hkv, Lmax, Dv)``; see :func:`gather_kv`."""
+        table, lens = self.block_table(seq_ids)
+        max_len = max((self._lens[s] for s in seq_ids), default=0)
+        return gather_kv(self.k_pages, self.v_pages, table, lens, max_seqlen=max_len)
+
+    # ------------------------------------------------------------------ explaining
+
+    def __repr__(self) -> str:
+        tokens = sum(self._lens.values())
+        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"v_head_dim={self.v_head_dim}, dtype={self.dtype}, device={self.device}, "
+                f"sequences={len(self._pages)}, tokens={tokens}, "
+                f"free_pages={self.num_free_pages})")
+
+    def to_string(self) -> str:
+        """Multi-line picture: one line per sequence, then which sequence owns each page."""
+        lines = [repr(self)]
+        owner = ["."] * self.num_pages
+        for n, (s, pages) in enumerate(self._pages.items()):
+            lines.append(f"  [{n}] {s!r}: {self._lens[s]} tokens on pages {pages}")
+            for p in pages:
+                owner[p] = str(n) if n < 10 else "#"
+        lines.append("  page owners: " + " ".join(owner))
+        return "\n".join(lines)
+
+
+def gather_kv(
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_table: Tensor,
+    seqlens: Tensor,
+    max_seqlen: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Copy paged keys/values into contiguous, zero-padded per-sequence tensors.
+
+    Args:
+        k_pages: ``(num_pages, page_size, Hkv, Dqk)``.
+        v_pages: ``(num_pages, page_size, Hkv, Dv)``.
+        block_table: integer ``(B, max_pages)``; entries a sequence uses must lie in
+            ``[0, num_pages)``, the rest (padding, 0 or -1) are ignored.
+        seqlens: integer ``(B,)``, ``0 <= seqlens[b] <= max_pages * page_size``.
+        max_seqlen: ``Lmax``; defaults to ``seqlens.max()`` (which synchronises a GPU).
+
+    Returns:
+        ``k (B, Hkv, Lmax, Dqk)`` and ``v (B, Hkv, Lmax, Dv)``, contiguous, zero past
+        ``seqlens[b]``.
+    """
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            raise ValueError(
+                f"{name} must be a 4-D tensor (num_pages, page_size, Hkv, D), got "
+                f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    N, P, Hkv, Dk = k_pages.shape
+    if P == 0:
+        raise ValueError("k_pages has page_size 0 (dim 1); pages must hold at least one token")
+    Dv = v_pages.shape[3]
+    if tuple(v_pages.shape[:3]) != (N, P, Hkv):
+        raise ValueError(
+            f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} must agree in "
+            f"(num_pages, page_size, Hkv)")
+    device = k_pages.device
+    for name, x, nd in (("block_table", block_table, 2), ("seqlens", seqlens, 1)):
+        if not isinstance(x, Tensor) or x.dim() != nd:
+            raise ValueError(f"{name} must be a {nd}-D integer tensor, got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but the pages are on {device}")
+    if v_pages.device != device:
+        raise ValueError(f"v_pages is on {v_pages.device} but k_pages is on {device}")
+    B, width = block_table.shape
+    if seqlens.shape[0] != B:
+        raise ValueError(
+            f"block_table has {B} rows but seqlens has {seqlens.shape[0]} entries; "
+            f"one length per sequence")
+    lens = seqlens.long()
+    if B:
+        lo, hi = (int(t) for t in torch.aminmax(lens))
+        if lo < 0 or hi > width * P:
+            raise ValueError(
+                f"seqlens must lie in [0, max_pages * page_size] = [0, {width * P}], got values "
+                f"in [{lo}, {hi}]; the block table has too few columns for these lengths")
+    longest = int(lens.max()) if B else 0
+    if max_seqlen is None:
+        max_seqlen = longest
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
+    if max_seqlen < longest:
+        raise ValueError(f"max_seqlen={max_seqlen} is shorter than the longest sequence "
+                         f"({longest}); pass max_seqlen >= seqlens.max() or None")
+    L = max_seqlen
+    t = torch.arange(L, device=device)
+    valid = t < lens[:, None]  # (B, L)
+    page = block_table.long()[:, torch.clamp(t // P, max=max(width - 1, 0))] if width else \
+        torch.zeros(B, L, dtype=torch.long, device=device)
+    bad = valid & ((page < 0) | (page >= N))
+    if bool(bad.any()):
+        b, tok = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {tok // P}] = {int(page[b, tok])} is not a page index in "
+            f"[0, {N}) but sequence {b} (length {int(lens[b])}) uses it for token {tok}")
+    if N * P == 0:  # nothing to read (so every length is 0)
+        return (torch.zeros(B, Hkv, L, Dk, dtype=k_pages.dtype, device=device),
+                torch.zeros(B, Hkv, L, Dv, dtype=v_pages.dtype, device=device))
+
+    slots = torch.where(valid, page * P + t % P, torch.zeros((), dtype=torch.long,
+                                                              device=device)).reshape(-1)
+
+    def take(pages: Tensor, D: int) -> Tensor:
+        x = pages.reshape(N * P, Hkv, D).index_select(0, slots).view(B, L, Hkv, D)
+        x.masked_fill_(~valid[:, :, None, None], 0)
+        return x.transpose(1, 2).contiguous()
+
+    return take(k_pages, Dk), take(v_pages, Dv)

@@ -1,0 +1,62 @@
+"""Oracle helpers shared by the tests: the float64 reference, a naive same-dtype computation
+and FlashAttention's tolerance rule for low precision."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnkit import plan as plan_module
+from attnkit.backends import fused
+from attnkit.reference import attention_reference
+
+
+def naive_attention(q, k, v, *, mask=None, bias=None, scale=None, causal=False):
+    """Textbook attention done entirely in the inputs' dtype (the 'plain' error baseline)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(g, dim=-3)
+    v = v.repeat_interleave(g, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return p @ v
+
+
+def fa_tolerance_ok(out, ref, plain, mult: float = 2.0) -> tuple:
+    """FlashAttention's rule: max|out - ref| <= mult * max|plain - ref| + 1e-5."""
+    err = (out.double() - ref.double()).abs().max().item()
+    base = (plain.double() - ref.double()).abs().max().item()
+    return err <= mult * base + 1e-5, err, base
+
+
+def rand(*shape, dtype=torch.float64, requires_grad=False, gen=None):
+    x = torch.randn(*shape, dtype=torch.float64, generator=gen).to(dtype)
+    return x.requires_grad_(requires_grad)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Force many small tiles so the online softmax crosses tile boundaries."""
+    monkeypatch.setattr(plan_module, "TILE_ELEMENTS", 64)
+    monkeypatch.setattr(plan_module, "MAX_KEY_TILE", 16)
+    monkeypatch.setattr(fused, "BLOCK", 16)
+
+
+@pytest.fixture(params=["fused", "tiled"])
+def backend(request):
+    """Run a test on each executor."""
+    return request.param
+
+
+@pytest.fixture
+def reference():
+    return attention_reference
