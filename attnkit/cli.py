@@ -131,13 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          help="comma-separated executors: auto, fused, tiled")
     p_check.set_defaults(func=_cmd_check)
     p_bench = sub.add_parser("bench", help="speed, memory and accuracy against the peers")
-    try:
-        from . import bench
+    from . import bench
 
-        bench.add_arguments(p_bench)
-        p_bench.set_defaults(func=lambda a: bench.run_from_args(a))
-    except ImportError as exc:  # pragma: no cover - bench is part of the package
-        p_bench.set_defaults(func=lambda a: (print(f"attnkit bench unavailable: {exc}"), 1)[1])
+    bench.add_arguments(p_bench)
+    p_bench.set_defaults(func=bench.run_from_args)
     p_demo = sub.add_parser("demo", help="accuracy check, then the quick benchmark")
     p_demo.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)

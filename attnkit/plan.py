@@ -35,6 +35,7 @@ class Plan:
     lk: int
     any: Tensor  # (nqb, nkb) bool: the tile may hold a visible pair
     term_full: Dict[str, Tensor] = field(default_factory=dict)  # term -> (nqb, nkb) bool
+    vis_cache: Dict[Tuple[int, int], Tensor] = field(default_factory=dict)  # mask_mod tiles
     _rows: Optional[List[List[int]]] = None
 
     @property
@@ -91,26 +92,42 @@ def _block_starts(length: int, block: int, device: torch.device) -> Tuple[Tensor
     return start, end
 
 
-def _band_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
-    off = spec.diag_offset()
-    if isinstance(off, Tensor):
-        off = off.view(-1, 1, 1)
-    else:
-        off = torch.tensor([off], device=qs.device).view(1, 1, 1)
-    # d = j - i' over the tile ranges [dmin, dmax]; visible when -left <= d <= right
-    dmin = ks.view(1, 1, -1) - (qe.view(1, -1, 1) - 1 + off)
-    dmax = ke.view(1, 1, -1) - 1 - (qs.view(1, -1, 1) + off)
-    lo = -spec.left if spec.left is not None else None
-    hi = spec.right
+def _row_min_max(x: Tensor, block: int) -> Tuple[Tensor, Tensor]:
+    """Per-block min and max of the last dim of ``x`` (..., L) -> (..., nblocks)."""
+    length = x.shape[-1]
+    pad = (-length) % block
+    lo = torch.nn.functional.pad(x, (0, pad), value=int(x.max()) if pad else 0)
+    hi = torch.nn.functional.pad(x, (0, pad), value=int(x.min()) if pad else 0)
+    lo = lo.view(*x.shape[:-1], -1, block).amin(-1)
+    hi = hi.view(*x.shape[:-1], -1, block).amax(-1)
+    return lo, hi
+
+
+def _band_status(spec: AttentionSpec, bq: int, ks: Tensor, ke: Tensor):
+    ip = spec.aligned_rows().reshape(-1, spec.lq)  # (N|1, Lq)
+    ip_min, ip_max = _row_min_max(ip, bq)  # (N|1, nqb)
+    # d = j - i' over a tile lies in [dmin, dmax]; visible when -left <= d <= right
+    dmin = ks.view(1, 1, -1) - ip_max.unsqueeze(-1)
+    dmax = ke.view(1, 1, -1) - 1 - ip_min.unsqueeze(-1)
     any_ = torch.ones_like(dmin, dtype=torch.bool)
     full = torch.ones_like(dmin, dtype=torch.bool)
-    if lo is not None:
-        any_ &= dmax >= lo
-        full &= dmin >= lo
-    if hi is not None:
-        any_ &= dmin <= hi
-        full &= dmax <= hi
+    if spec.left is not None:
+        any_ &= dmax >= -spec.left
+        full &= dmin >= -spec.left
+    if spec.right is not None:
+        any_ &= dmin <= spec.right
+        full &= dmax <= spec.right
     return any_.any(0), full.all(0)
+
+
+def _segment_status(spec: AttentionSpec, bq: int, bk: int):
+    qmin, qmax = _row_min_max(spec.segments_q.view(1, -1), bq)
+    kmin, kmax = _row_min_max(spec.segments_kv.view(1, -1), bk)
+    qmin, qmax = qmin.view(-1, 1), qmax.view(-1, 1)
+    kmin, kmax = kmin.view(1, -1), kmax.view(1, -1)
+    any_ = (qmin <= kmax) & (kmin <= qmax)
+    full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+    return any_, full
 
 
 def _seqlens_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
@@ -175,13 +192,17 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
         any_.zero_()
     term_full: Dict[str, Tensor] = {}
     if spec.has_band:
-        a, f = _band_status(spec, qs, qe, ks, ke)
+        a, f = _band_status(spec, bq, ks, ke)
         any_ &= a
         term_full["band"] = f
     if spec.seqlens_q is not None or spec.seqlens_kv is not None:
         a, f = _seqlens_status(spec, qs, qe, ks, ke)
         any_ &= a
         term_full["seqlens"] = f
+    if spec.segments_q is not None:
+        a, f = _segment_status(spec, bq, bk)
+        any_ &= a
+        term_full["segments"] = f
     if spec.mask is not None:
         a, f = _mask_status(spec, bq, bk, nqb, nkb)
         any_ &= a
@@ -192,10 +213,54 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
         term_full["block_mask"] = f
         spec.extras["block_listed"] = listed
         spec.extras["block_full"] = full
+    cache: Dict[Tuple[int, int], Tensor] = {}
     if spec.mask_mod is not None:
-        term_full["mask_mod"] = torch.zeros(nqb, nkb, dtype=torch.bool, device=dev)
+        a, f = _mask_mod_status(spec, bq, bk, nqb, nkb, any_, cache)
+        any_ &= a
+        term_full["mask_mod"] = f
     return Plan(bq=bq, bk=bk, lq=spec.lq, lk=spec.lk, any=any_.cpu(),
-                term_full={k: v.cpu() for k, v in term_full.items()})
+                term_full={k: v.cpu() for k, v in term_full.items()}, vis_cache=cache)
+
+
+#: Bytes of partial mask_mod tiles a plan keeps (beyond that they are evaluated again).
+VIS_CACHE_BYTES = 1 << 28
+
+
+def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
+                     live: Tensor, cache: Dict[Tuple[int, int], Tensor]):
+    """Evaluate the mask_mod once per query block row (only on key blocks other terms leave
+    alive) to classify tiles; keep the partial tiles for the executor."""
+    dev = spec.q.device
+    any_ = torch.zeros(nqb, nkb, dtype=torch.bool)
+    full = torch.zeros(nqb, nkb, dtype=torch.bool)
+    b, h = _bh(spec)
+    used = 0
+    for qb in range(nqb):
+        kbs = torch.nonzero(live[qb]).flatten().tolist()
+        if not kbs:
+            continue
+        q0, q1 = qb * bq, min(spec.lq, (qb + 1) * bq)
+        k_lo, k_hi = kbs[0] * bk, min(spec.lk, (kbs[-1] + 1) * bk)
+        i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+        j = torch.arange(k_lo, k_hi, device=dev).view(1, 1, 1, -1)
+        row = spec.mask_mod(b, h, i, j)
+        if row.dtype != torch.bool:
+            raise TypeError(f"mask_mod must return a bool tensor; {_name(spec.mask_mod)} "
+                            f"returned {row.dtype}")
+        for kb in kbs:
+            c0, c1 = kb * bk - k_lo, min(spec.lk, (kb + 1) * bk) - k_lo
+            tile = row[..., c0:c1]
+            a, f = bool(tile.any()), bool(tile.all())
+            any_[qb, kb], full[qb, kb] = a, f
+            if a and not f and used < VIS_CACHE_BYTES:
+                tile = tile.clone()
+                cache[(qb, kb)] = tile
+                used += tile.numel()
+    return any_, full
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Optional[Tensor]:
@@ -212,7 +277,7 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
     i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
     j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
     if plan.needs("band", qb, kb):
-        ip = i + spec.diag_offset()
+        ip = spec.aligned_rows(q0, q1)
         if spec.left is not None:
             both(j >= ip - spec.left)
         if spec.right is not None:
@@ -222,6 +287,8 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
             both(i < spec.seqlens_q.view(-1, 1, 1, 1))
         if spec.seqlens_kv is not None:
             both(j < spec.seqlens_kv.view(-1, 1, 1, 1))
+    if plan.needs("segments", qb, kb):
+        both(spec.segments_q[q0:q1].view(1, 1, -1, 1) == spec.segments_kv[k0:k1].view(1, 1, 1, -1))
     if plan.needs("mask", qb, kb):
         both(slice_tile(spec.mask, q0, q1, k0, k1))
     b = h = None
@@ -237,9 +304,12 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
         else:
             both(listed)
     if plan.needs("mask_mod", qb, kb):
-        if b is None:
-            b, h = _bh(spec)
-        both(spec.mask_mod(b, h, i, j))
+        cached = plan.vis_cache.get((qb, kb))
+        if cached is None:
+            if b is None:
+                b, h = _bh(spec)
+            cached = spec.mask_mod(b, h, i, j)
+        both(cached)
     return vis
 
 

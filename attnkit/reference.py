@@ -25,7 +25,7 @@ def visibility(spec: AttentionSpec) -> Tensor:
     i = torch.arange(lq, device=dev).view(1, 1, lq, 1)
     j = torch.arange(lk, device=dev).view(1, 1, 1, lk)
     vis = torch.ones(n, hq, lq, lk, dtype=torch.bool, device=dev)
-    ip = i + spec.diag_offset()
+    ip = spec.aligned_rows()
     if spec.left is not None:
         vis = vis & (j >= ip - spec.left)
     if spec.right is not None:
@@ -36,6 +36,8 @@ def visibility(spec: AttentionSpec) -> Tensor:
         vis = vis & spec.mask_mod(b, h, i, j)
     if spec.block_mask is not None:
         vis = vis & _block_mask_dense(spec, b, h, i, j)
+    if spec.segments_q is not None:
+        vis = vis & (spec.segments_q.view(1, 1, lq, 1) == spec.segments_kv.view(1, 1, 1, lk))
     if spec.seqlens_q is not None:
         vis = vis & (i < spec.seqlens_q.view(n, 1, 1, 1))
     if spec.seqlens_kv is not None:
@@ -80,7 +82,7 @@ def scores(spec: AttentionSpec) -> Tensor:
     j = torch.arange(lk, device=dev).view(1, 1, 1, lk)
     if spec.alibi_slopes is not None:
         slopes = spec.alibi_slopes.double().view(-1, hq, 1, 1)
-        s = s - slopes * (i + spec.diag_offset() - j).abs()
+        s = s - slopes * (spec.aligned_rows() - j).abs()
     if spec.score_mod is not None:
         s = spec.score_mod(s, b, h, i, j)
     return s

@@ -62,6 +62,11 @@ class AttentionSpec:
     seed: int = 0
     offset: int = 0
     dropout_mask: Optional[Tensor] = None
+    #: per-query-row shift of the diagonal (varlen: each row's own sequence alignment), (Lq,)
+    row_offset: Optional[Tensor] = None
+    #: segment ids (Lq,), (Lk,): a pair is visible only within one segment (varlen, documents)
+    segments_q: Optional[Tensor] = None
+    segments_kv: Optional[Tensor] = None
     extras: dict = field(default_factory=dict)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -112,6 +117,14 @@ class AttentionSpec:
                 (self.n,), self.lk, dtype=torch.int64, device=self.q.device)
             return (sk - sq).view(-1, 1, 1, 1)
         return self.lk - self.lq
+
+    def aligned_rows(self, q0: int = 0, q1: Optional[int] = None) -> Tensor:
+        """i' (the aligned query position) of rows [q0, q1), shape (N|1, 1, rows, 1)."""
+        q1 = self.lq if q1 is None else q1
+        ip = torch.arange(q0, q1, device=self.q.device).view(1, 1, -1, 1) + self.diag_offset()
+        if self.row_offset is not None:
+            ip = ip + self.row_offset[q0:q1].view(1, 1, -1, 1)
+        return ip
 
     @property
     def needs_score_grad_graph(self) -> bool:
@@ -378,6 +391,7 @@ def build_spec(
             spec.block_mask = mask
         elif callable(mask):
             spec.mask_mod = mask
+            absorb_mask_structure(spec)
         else:
             raise TypeError(
                 f"mask must be a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool "
@@ -444,3 +458,44 @@ def _check_block_mask(bm: Any, n: int, hq: int, lq: int, lk: int) -> None:
     if bb not in (1, n) or bh not in (1, hq):
         raise ValueError(f"the BlockMask has batch {bb} and heads {bh}; expected 1 or {n} and "
                          f"1 or {hq}")
+
+
+def absorb_mask_structure(spec: AttentionSpec) -> None:
+    """Turn a builtin mask_mod's structure (causal/window bands, 1-D documents, padding, and
+    ANDs of them) into analytic spec terms, so the planner skips and classifies tiles without
+    evaluating the mask. When every part converts, the mask_mod is dropped; otherwise it stays
+    (and is evaluated only on tiles the analytic terms leave alive)."""
+    from .masks import structure_of
+
+    st = structure_of(spec.mask_mod)
+    if st is None:
+        return
+    parts = st["parts"] if st.get("kind") == "and" else [st]
+    converted = [_absorb_part(spec, part) for part in parts]
+    if all(converted):
+        spec.mask_mod = None
+
+
+def _absorb_part(spec: AttentionSpec, st: Optional[dict]) -> bool:
+    if st is None:
+        return False
+    kind = st.get("kind")
+    if kind == "full":
+        return True
+    if kind in ("causal", "window"):
+        off = spec.diag_offset()
+        if spec.has_band or not isinstance(off, int) or spec.row_offset is not None:
+            return False
+        lo, hi = st["band"]  # visible iff lo <= j - i <= hi
+        spec.left = None if lo is None else off - lo
+        spec.right = None if hi is None else hi - off
+        return True
+    if kind == "document":
+        ids_q, ids_kv = st["doc_ids_q"], st["doc_ids_kv"]
+        if (spec.segments_q is not None or ids_q.dim() != 1 or ids_q.shape[0] != spec.lq
+                or ids_kv.shape[0] != spec.lk):
+            return False
+        spec.segments_q = ids_q.to(spec.q.device, torch.int64)
+        spec.segments_kv = ids_kv.to(spec.q.device, torch.int64)
+        return True
+    return False

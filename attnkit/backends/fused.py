@@ -169,7 +169,7 @@ def _piece(plan: Plan, qb: int, kbs: List[int], masked: bool, causal: bool = Fal
 
 def _is_causal_diagonal(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> bool:
     """The tile's visibility is exactly top-left causal within the tile (band term only)."""
-    if set(plan.term_full) != {"band"} or spec.right != 0:
+    if set(plan.term_full) != {"band"} or spec.right != 0 or spec.row_offset is not None:
         return False
     off = spec.diag_offset()
     if not isinstance(off, int):
@@ -253,7 +253,7 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
             b = b[..., keys[0]:keys[1]] if keys is not None else b.index_select(3, j)
         tile = b.to(dtype)
     if spec.alibi_slopes is not None:
-        dist = (i + spec.diag_offset() - jj).abs_().to(dtype)
+        dist = (spec.aligned_rows(q0, q1) - jj).abs_().to(dtype)
         term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
         tile = term if tile is None else tile + term
     if spec.score_mod is not None:

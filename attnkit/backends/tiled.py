@@ -52,8 +52,8 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
     if spec.bias is not None:
         s = s + slice_tile(spec.bias, q0, q1, k0, k1).to(s.dtype)
     if spec.alibi_slopes is not None:
-        _, _, i, j = _index_tensors(spec, q0, q1, k0, k1)
-        dist = (i + spec.diag_offset() - j).abs().to(s.dtype)
+        j = torch.arange(k0, k1, device=s.device).view(1, 1, 1, -1)
+        dist = (spec.aligned_rows(q0, q1) - j).abs().to(s.dtype)
         s = s - spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1) * dist
     return s
 
