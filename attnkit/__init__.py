@@ -7,15 +7,38 @@ it is tested against. Masks and score mods live in :mod:`attnkit.masks` and
 """
 
 from . import masks, score_mods
-from .api import attention
+from .api import (
+    AuxOutput,
+    AuxRequest,
+    Grads,
+    attention,
+    attention_backward,
+    attention_forward,
+    scaled_dot_product_attention,
+)
+from .block_mask import BlockMask, create_block_mask
+from .flex import flex_attention
 from .merge import merge_state, merge_states
-from .paged import PagedKVCache, gather_kv
+from .paged import PagedKVCache, gather_kv, paged_attention, paged_attention_blocks
 from .reference import attention_reference
+from .varlen import varlen_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
+    "BlockMask",
+    "Grads",
     "PagedKVCache",
+    "attention_backward",
+    "attention_forward",
+    "create_block_mask",
+    "flex_attention",
+    "paged_attention",
+    "paged_attention_blocks",
+    "varlen_attention",
+    "scaled_dot_product_attention",
     "__version__",
     "attention",
     "attention_reference",

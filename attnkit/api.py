@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from . import backends
 from .autograd import run
 from .spec import AttentionSpec, build_spec
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs to return (FlexAttention's ``AuxRequest``, plus the dropout
+    keep mask)."""
+
+    lse: bool = False
+    max_scores: bool = False
+    dropout_mask: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """Auxiliary outputs: ``lse`` and ``max_scores`` are ``(*B, Hq, Lq)``; ``dropout_mask``
+    is the bool keep mask ``(*B, Hq, Lq, Lk)`` that was used (dense; for debugging)."""
+
+    lse: Optional[Tensor] = None
+    max_scores: Optional[Tensor] = None
+    dropout_mask: Optional[Tensor] = None
 
 
 def attention(
@@ -28,9 +47,15 @@ def attention(
     seqlens_q: Optional[Tensor] = None,
     seqlens_kv: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    dropout_mask: Optional[Tensor] = None,
     return_lse: bool = False,
+    return_aux: Optional[AuxRequest] = None,
+    return_weights: bool = False,
     backend: str = "auto",
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+) -> Any:
     """Scaled dot-product attention, ``softmax(scale * q k^T + bias, masked) v``.
 
     Shapes (read from the right; leading batch dims ``*B`` broadcast between q, k and v)::
@@ -42,8 +67,9 @@ def attention(
         lse   (*B, Hq,  Lq)             float32 (float64 for float64 inputs)
 
     Scores, in this order: ``s = scale * q.k`` (scale defaults to ``1/sqrt(Dqk)``); softcap
-    ``cap * tanh(s / cap)``; ``+ bias``; ALiBi ``- slope[h] * |i' - j|``; ``score_mod(s, b, h,
-    i, j)``; then every masked pair is set to ``-inf``.
+    ``cap * tanh(s / cap)``; ``+ bias``; ALiBi ``- slope[h] * |i' - j|`` (FlashAttention's
+    convention); ``score_mod(s, b, h, i, j)``; then every masked pair is set to ``-inf``.
+    ``b`` indexes the flattened batch dims, ``h`` the query head; indices are absolute.
 
     Masks (all combine with AND):
 
@@ -63,22 +89,53 @@ def attention(
 
     A row whose keys are all masked gives output 0, lse ``-inf`` and zero gradients. ``bias``
     (float, ``-inf`` allowed) gets a gradient summed back to its own shape; so do ``sinks``
-    (``(Hq,)`` extra logits in each row's denominator) and tensors a ``score_mod`` captures.
-    float16/bfloat16 inputs are computed in float32; float64 in float64.
+    (``(Hq,)``: one extra logit per head in each row's softmax denominator, with no value) and
+    tensors a ``score_mod`` captures. float16/bfloat16 are computed in float32.
+
+    Dropout: ``dropout_p`` drops each weight ``(b, h, i, j)`` when a Philox random keyed by
+    ``seed``, ``offset`` and those coordinates is below ``dropout_p``, and scales kept weights
+    by ``1 / (1 - dropout_p)``; the backward replays the same mask. ``seed=None`` draws one from
+    torch's default generator. ``dropout_mask`` (bool, broadcastable to the scores, True =
+    keep) gives the keep mask directly, scaled by ``1 / (1 - dropout_p)``.
 
     Args:
+        return_lse: also return the natural-log log-sum-exp of each row's final scores.
+        return_aux: an :class:`AuxRequest`; returns ``(out, AuxOutput)``.
+        return_weights: also return the pre-dropout attention weights ``(*B, Hq, Lq, Lk)``
+            as a tensor that does not require grad. This is dense (Lq x Lk): for inspection
+            and small problems.
         backend: ``"auto"`` (default), or force ``"fused"`` / ``"tiled"``; a forced backend
             that cannot run the call raises ``NotImplementedError`` with its reasons.
-        return_lse: also return the natural-log log-sum-exp of each row's final scores.
+
+    Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;
+    ``weights`` is appended last with ``return_weights``.
     """
     spec = build_spec(q, k, v, scale=scale, mask=mask, bias=bias, causal=causal, window=window,
                       diagonal=diagonal, score_mod=score_mod, softcap=softcap,
                       alibi_slopes=alibi_slopes, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-                      sinks=sinks)
-    out, lse, _ = _execute(spec, backend)
-    if return_lse:
-        return out, lse
-    return out
+                      sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset,
+                      dropout_mask=dropout_mask)
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"return_aux must be an attnkit.AuxRequest; got "
+                        f"{type(return_aux).__name__}")
+    want_max = return_aux is not None and return_aux.max_scores
+    if want_max and backend == "auto":
+        backend = "tiled"  # the fused kernel does not report row maxima
+    out, lse, mx = _execute(spec, backend)
+    if want_max and backend != "tiled":
+        raise NotImplementedError(f"return_aux max_scores needs backend='tiled' or 'auto'; "
+                                  f"got backend={backend!r}")
+    results: Tuple[Any, ...] = (out,)
+    if return_aux is not None:
+        results += (AuxOutput(
+            lse=lse if return_aux.lse else None,
+            max_scores=mx if return_aux.max_scores else None,
+            dropout_mask=_dense_keep_mask(spec) if return_aux.dropout_mask else None),)
+    elif return_lse:
+        results += (lse,)
+    if return_weights:
+        results += (_dense_weights(spec, lse),)
+    return results[0] if len(results) == 1 else results
 
 
 def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
@@ -87,3 +144,132 @@ def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor
     out, lse, mx = run(spec, executor)
     return (out.reshape(spec.output_shape(spec.dv)), lse.reshape(spec.lse_shape()),
             mx.reshape(spec.lse_shape()))
+
+
+def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:
+    """The keep mask used for dropout, dense (None without dropout)."""
+    if spec.dropout_mask is not None:
+        keep = spec.dropout_mask.expand(spec.n, spec.hq, spec.lq, spec.lk)
+    elif spec.dropout_p > 0.0:
+        from .dropout import keep_mask
+
+        dev = spec.q.device
+        keep = keep_mask(spec.seed, spec.offset, spec.dropout_p,
+                         torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
+                         torch.arange(spec.hq, device=dev).view(1, -1, 1, 1),
+                         torch.arange(spec.lq, device=dev).view(1, 1, -1, 1),
+                         torch.arange(spec.lk, device=dev).view(1, 1, 1, -1))
+        keep = keep.expand(spec.n, spec.hq, spec.lq, spec.lk)
+    else:
+        return None
+    return keep.reshape(spec.output_shape(spec.lk))
+
+
+def _dense_weights(spec: AttentionSpec, lse: Tensor) -> Tensor:
+    """Pre-dropout weights exp(S - lse), dense, without grad."""
+    from .backends.tiled import dense_probabilities
+
+    with torch.no_grad():
+        p = dense_probabilities(spec, lse.detach().reshape(spec.n, spec.hq, spec.lq))
+    return p.to(spec.q.dtype).reshape(spec.output_shape(spec.lk))
+
+
+class Grads(NamedTuple):
+    """Gradients from :func:`attention_backward` (None for inputs that were not given)."""
+
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dbias: Optional[Tensor]
+    dsinks: Optional[Tensor]
+
+
+def _explicit_spec(q: Tensor, k: Tensor, v: Tensor, options: dict) -> AttentionSpec:
+    options = dict(options)
+    for key in ("return_lse", "return_aux", "return_weights"):
+        if options.pop(key, None):
+            raise TypeError(f"{key} is not an option of attention_forward/backward")
+    return build_spec(q, k, v, **options)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
+                      **options: Any) -> Tuple[Tensor, Tensor]:
+    """Forward only, with statistics (cuDNN style): ``(out, lse)`` without an autograd graph.
+
+    Takes the keywords of :func:`attention`. Pair it with :func:`attention_backward`, passing
+    the same inputs, options and the ``out``/``lse`` it returned.
+    """
+    spec = _explicit_spec(q.detach(), k.detach(), v.detach(), options)
+    executor = backends.select(spec, backend)
+    with torch.no_grad():
+        res = executor.forward(spec, executor.make_executor_plan(spec))
+    return (res.out.to(spec.q.dtype).reshape(spec.output_shape(spec.dv)),
+            res.lse.reshape(spec.lse_shape()))
+
+
+def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                       *, backend: str = "auto", **options: Any) -> Grads:
+    """Backward from saved statistics: gradients of ``sum(out * dout)`` for q, k, v, bias and
+    sinks, each in its input's shape. ``out`` and ``lse`` come from :func:`attention_forward`."""
+    bias, sinks = options.get("bias"), options.get("sinks")
+    opts = dict(options)
+    if bias is not None:
+        opts["bias"] = bias.detach().requires_grad_(True)
+    if sinks is not None:
+        opts["sinks"] = sinks.detach().requires_grad_(True)
+    spec = _explicit_spec(q.detach(), k.detach(), v.detach(), opts)
+    executor = backends.select(spec, backend)
+    canon = (spec.n, spec.hq, spec.lq)
+    with torch.no_grad():
+        g = executor.backward(spec, executor.make_executor_plan(spec),
+                              out.reshape(*canon, spec.dv), lse.reshape(canon),
+                              dout.reshape(*canon, spec.dv))
+    dbias = None
+    if bias is not None and g.dbias is not None:
+        dbias = _unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)
+    dsinks = g.dsinks.to(sinks.dtype) if (sinks is not None and g.dsinks is not None) else None
+    return Grads(dq=_unbroadcast_input(g.dq, spec, q).to(q.dtype),
+                 dk=_unbroadcast_input(g.dk, spec, k).to(k.dtype),
+                 dv=_unbroadcast_input(g.dv, spec, v).to(v.dtype), dbias=dbias, dsinks=dsinks)
+
+
+def _unbroadcast_input(g: Tensor, spec: AttentionSpec, x: Tensor) -> Tensor:
+    if spec.squeeze_heads:
+        return g.reshape(x.shape)
+    g = g.reshape(*spec.batch_shape, *g.shape[1:])
+    return g.sum_to_size(x.shape)
+
+
+def _unbroadcast(g: Tensor, spec: AttentionSpec, shape: torch.Size) -> Tensor:
+    """Canonical 4-D mask-like gradient (n|1, ...) back to the user's bias shape."""
+    lead = spec.batch_shape if g.shape[0] != 1 else (1,) * len(spec.batch_shape)
+    g = g.reshape(*lead, *g.shape[1:])
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    return g.sum_to_size(shape)
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` with torch's
+    semantics: a bool ``attn_mask`` is True where attention may happen, a float one is added to
+    the scores; ``is_causal`` is top-left; key/value heads may differ from query heads only with
+    ``enable_gqa=True``. Fully masked rows give 0 (torch's safe softmax). Dropout uses attnkit's
+    replayable dropout with a seed drawn from torch's default generator.
+    """
+    if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        raise ValueError(
+            f"query has {query.shape[-3]} heads and key has {key.shape[-3]}; pass "
+            f"enable_gqa=True for grouped-query attention (as torch requires)")
+    mask = bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            bias = attn_mask
+    return attention(query, key, value, mask=mask, bias=bias, causal=is_causal, scale=scale,
+                     dropout_p=dropout_p)
+
+

@@ -20,7 +20,7 @@ dim, Lmax the longest sequence of the batch.
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -352,3 +352,49 @@ def gather_kv(
         return x.transpose(1, 2).contiguous()
 
     return take(k_pages, Dk), take(v_pages, Dv)
+
+
+def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable], *,
+                    causal: bool = True, diagonal: str = "bottom_right",
+                    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                    scale: Optional[float] = None, return_lse: bool = False,
+                    backend: str = "auto") -> Any:
+    """Attention of ``q (B, Hq, Lq, Dqk)`` over the cached keys/values of ``seq_ids`` (one
+    batch row each). The queries are the last ``Lq`` positions of each sequence, already
+    appended (decode: Lq = 1; chunked prefill: Lq > 1), so the default is causal with the
+    bottom-right diagonal of each sequence's own length. Output ``(B, Hq, Lq, Dv)``."""
+    block_table, seqlens = cache.block_table(seq_ids)
+    return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
+                                  causal=causal, diagonal=diagonal, window=window,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                                  return_lse=return_lse, backend=backend)
+
+
+def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                           seqlens_kv: Tensor, *, causal: bool = True,
+                           diagonal: str = "bottom_right",
+                           window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                           softcap: Optional[float] = None,
+                           alibi_slopes: Optional[Tensor] = None,
+                           scale: Optional[float] = None, return_lse: bool = False,
+                           backend: str = "auto") -> Any:
+    """:func:`paged_attention` on raw tensors (FlashAttention's ``block_table`` style):
+    ``k_pages (num_pages, page_size, Hkv, Dqk)``, ``v_pages``, ``block_table (B, max_pages)``
+    and ``seqlens_kv (B,)``."""
+    from .api import attention
+
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Hq, Lq, Dqk); got "
+                         f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be (B, max_pages) with B = {q.shape[0]} (q's batch); "
+                         f"got {tuple(block_table.shape)}")
+    seqlens_kv = torch.as_tensor(seqlens_kv, device=q.device)
+    if seqlens_kv.numel() and int(seqlens_kv.min()) < q.shape[2]:
+        raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
+                         f"(append them first); shortest has {int(seqlens_kv.min())}")
+    k, v = gather_kv(k_pages, v_pages, block_table, seqlens_kv)
+    return attention(q, k, v, seqlens_kv=seqlens_kv, causal=causal, diagonal=diagonal,
+                     window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+                     return_lse=return_lse, backend=backend)

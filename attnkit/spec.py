@@ -358,6 +358,10 @@ def build_spec(
     seqlens_q: Any = None,
     seqlens_kv: Any = None,
     sinks: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    offset: int = 0,
+    dropout_mask: Optional[Tensor] = None,
 ) -> AttentionSpec:
     """Validate the arguments of one call and normalise them into an :class:`AttentionSpec`."""
     qc, kc, vc, batch, squeeze = _canonical_qkv(q, k, v)
@@ -446,7 +450,36 @@ def build_spec(
             raise ValueError(f"sinks must have shape ({hq},) (one logit per query head); got "
                              f"{tuple(sinks.shape)}")
         spec.sinks = sinks
+    _set_dropout(spec, dropout_p, seed, offset, dropout_mask, batch, full)
     return spec
+
+
+def _set_dropout(spec: AttentionSpec, p: Any, seed: Any, offset: Any, keep: Any,
+                 batch: Tuple[int, ...], full: Tuple[int, int, int]) -> None:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {p!r}")
+    p = float(p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1); got {p}")
+    spec.dropout_p = p
+    if keep is not None:
+        if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+            raise TypeError("dropout_mask must be a bool tensor (True = keep) broadcastable to "
+                            "the scores")
+        spec.dropout_mask = _canonical_4d("dropout_mask", keep.to(spec.q.device), batch,
+                                          spec.n, full)
+        return
+    if p == 0.0:
+        return
+    from .dropout import draw_seed
+
+    if seed is None:
+        seed = draw_seed()
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be an int in [0, 2**64) or None; got {seed!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2 ** 32:
+        raise ValueError(f"offset must be an int in [0, 2**32); got {offset!r}")
+    spec.seed, spec.offset = seed, offset
 
 
 def _check_block_mask(bm: Any, n: int, hq: int, lq: int, lk: int) -> None:

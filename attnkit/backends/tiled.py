@@ -277,3 +277,26 @@ def make_executor_plan(spec: AttentionSpec) -> Plan:
     from ..plan import make_plan
 
     return make_plan(spec)
+
+
+def dense_probabilities(spec: AttentionSpec, lse: Tensor) -> Tensor:
+    """Dense pre-dropout weights exp(S - lse), (N, Hq, Lq, Lk) in compute dtype."""
+    from ..plan import make_plan
+
+    plan = make_plan(spec)
+    t = _Tiles(spec, plan)
+    p = torch.zeros(spec.n, spec.hq, spec.lq, spec.lk, dtype=t.cd, device=spec.q.device)
+    lse_c = lse.to(t.cd)
+    lse_safe = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        qt = t.q_tile(q0, q1)
+        for kb in kbs:
+            k0, k1 = plan.k_range(kb)
+            vis = tile_visibility(spec, plan, qb, kb)
+            s, _, _ = t.scores(qt, kb, q0, q1, vis)
+            p[:, :, q0:q1, k0:k1] = torch.exp(s - lse_safe[:, :, q0:q1, None])
+    return p
