@@ -126,6 +126,9 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
     plan = make_plan(spec, bq=bq, bk=bk)
     if not plan.term_full and not has_additive_terms(spec) and spec.lq > 0 and spec.lk > 0:
         return FusedPlan(plan=plan, pieces=[], whole=True)
+    causal_pieces = _whole_causal(spec, plan)
+    if causal_pieces is not None:
+        return FusedPlan(plan=plan, pieces=causal_pieces, whole=False)
     pieces: List[Piece] = []
     additive = has_additive_terms(spec)
     for qb in range(plan.nqb):
@@ -144,6 +147,25 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
             causal = (len(partial) == 1 and _is_causal_diagonal(spec, plan, qb, partial[0]))
             pieces.append(_piece(plan, qb, partial, masked=not causal, causal=causal))
     return FusedPlan(plan=plan, pieces=pieces, whole=False)
+
+
+def _whole_causal(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
+    """Plain causal (either diagonal, aligned so that the last query sees the last key): at
+    most two calls on the whole problem, the keys every row sees and the causal square."""
+    if (set(plan.term_full) != {"band"} or has_additive_terms(spec) or spec.left is not None
+            or spec.right != 0 or spec.row_offset is not None):
+        return None
+    off = spec.diag_offset()
+    if not isinstance(off, int) or off + spec.lq != spec.lk or spec.lq == 0:
+        return None
+    pieces = []
+    if off > 0:
+        pieces.append(Piece(qb=-1, q0=0, q1=spec.lq, keys=(0, off), kbs=(), masked=False,
+                            causal=False))
+    q0 = max(0, -off)
+    pieces.append(Piece(qb=-1, q0=q0, q1=spec.lq, keys=(max(off, 0), spec.lk), kbs=(),
+                        masked=False, causal=True))
+    return pieces
 
 
 def _tile_full(plan: Plan, qb: int, kb: int) -> bool:
@@ -279,13 +301,12 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
     if fplan.whole:
         out, lse = FWD_OP(inp.q, inp.k, inp.v, 0.0, False, scale=spec.scale)
-        out, lse = out[..., :dv].to(cd), lse.to(cd)
+        out, lse = out[..., :dv], lse.to(cd)
         if spec.sinks is not None:
             out, lse = _add_sinks(spec, out, lse)
         return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
-    out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-    lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
     md = _mask_dtype(spec)
+    out = lse = None
     started = set()
     for piece in fplan.pieces:
         qs = slice(piece.q0, piece.q1)
@@ -298,21 +319,46 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
         o, l = o[..., :dv], l.to(cd)
         if seen is not None:
             l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
-        if piece.qb in started:
+        if out is None and piece.q0 == 0 and piece.q1 == lq and len(fplan.pieces) == 1:
+            out, lse = o, l  # one piece covers everything: no copy
+            started.add((0, lq))
+            break
+        if out is None:
+            out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+            lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
+        if (piece.q0, piece.q1) in started:
             _merge_into(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
         else:
-            started.add(piece.qb)
+            started.add((piece.q0, piece.q1))
             out[:, :, qs] = o
             lse[:, :, qs] = l
+    if out is None:
+        out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+        lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
+    for a, b in _gaps(started, lq):  # rows that no piece touched see no key
+        out[:, :, a:b] = 0
+        lse[:, :, a:b] = float("-inf")
     if spec.sinks is not None:
         out, lse = _add_sinks(spec, out, lse)
     return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
 
 
+def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
+    """Intervals of [0, length) covered by none of ``ranges``."""
+    gaps, pos = [], 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < length:
+        gaps.append((pos, length))
+    return gaps
+
+
 def _no_max(lse: Tensor) -> Tensor:
     # The fused kernel does not report row maxima; callers that ask for them use the tiled
     # executor (see api). NaN marks "not computed" rather than a wrong number.
-    return torch.full_like(lse, float("nan"))
+    return torch.full((), float("nan"), dtype=lse.dtype, device=lse.device).expand(lse.shape)
 
 
 def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
@@ -346,13 +392,14 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
     lse_k = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
     out_p = _pad(out, inp.width)
     dout_p = _pad(dout.to(out.dtype), inp.width)
-    dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
-    dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
-    dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
     md = _mask_dtype(spec)
     if fplan.whole:
-        g = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False, scale=spec.scale)
-        dq, dk, dvv = (x.to(cd) for x in g)
+        dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False,
+                             scale=spec.scale)
+    else:
+        dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
+        dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
+        dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
     for piece in fplan.pieces:
         qs = slice(piece.q0, piece.q1)
         kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)

@@ -32,7 +32,7 @@ def not_supported_reasons(spec: AttentionSpec) -> List[str]:
 
 @dataclass
 class ForwardResult:
-    out: Tensor  # (N, Hq, Lq, Dv) compute dtype
+    out: Tensor  # (N, Hq, Lq, Dv) compute dtype (or the input dtype)
     lse: Tensor  # (N, Hq, Lq) compute dtype
     max_scores: Tensor  # (N, Hq, Lq) compute dtype, -inf for rows with no visible key
 
@@ -45,16 +45,22 @@ def _index_tensors(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int):
             torch.arange(k0, k1, device=dev).view(1, 1, 1, -1))
 
 
-def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-    """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi."""
+def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int,
+                 inplace: bool) -> Tensor:
+    """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi. With
+    ``inplace`` the tile ``s`` is overwritten (the forward needs no intermediate)."""
     if spec.softcap is not None:
-        s = torch.tanh(s / spec.softcap) * spec.softcap
+        s = (s.div_(spec.softcap) if inplace else s / spec.softcap).tanh_().mul_(spec.softcap)
+        inplace = True
     if spec.bias is not None:
-        s = s + slice_tile(spec.bias, q0, q1, k0, k1).to(s.dtype)
+        b = slice_tile(spec.bias, q0, q1, k0, k1)
+        s = s.add_(b) if inplace and b.dtype == s.dtype else s + b.to(s.dtype)
+        inplace = True
     if spec.alibi_slopes is not None:
         j = torch.arange(k0, k1, device=s.device).view(1, 1, 1, -1)
-        dist = (spec.aligned_rows(q0, q1) - j).abs().to(s.dtype)
-        s = s - spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1) * dist
+        dist = (spec.aligned_rows(q0, q1) - j).abs_().to(s.dtype)
+        term = dist.mul_(spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1).neg())
+        s = s.add_(term) if inplace and term.shape == s.shape else s + term
     return s
 
 
@@ -82,19 +88,26 @@ def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
 
 
 class _Tiles:
-    """Shared per-call state of the forward and the backward: inputs in compute dtype."""
+    """Shared per-call state of the forward and the backward.
+
+    Matmuls run in ``mm`` dtype: bfloat16 for bfloat16 inputs (AMX; like FlashAttention, P
+    and dS are rounded to bfloat16 for their matmuls and scores come back rounded, which is
+    what the plain bfloat16 computation does too), otherwise the compute dtype. Softmax
+    statistics and accumulators are always in the compute dtype (float32 or float64).
+    """
 
     def __init__(self, spec: AttentionSpec, plan: Plan):
         self.spec, self.plan = spec, plan
         cd = spec.compute_dtype
         self.cd = cd
-        self.k = spec.k.to(cd)
-        self.v = spec.v.to(cd)
+        self.mm = torch.bfloat16 if spec.q.dtype == torch.bfloat16 else cd
+        self.k = spec.k.to(self.mm)
+        self.v = spec.v.to(self.mm)
         self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
 
     def q_tile(self, q0: int, q1: int) -> Tensor:
-        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D)."""
-        qt = self.spec.q[:, :, q0:q1].to(self.cd) * self.spec.scale
+        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), matmul dtype."""
+        qt = (self.spec.q[:, :, q0:q1].to(self.cd) * self.spec.scale).to(self.mm)
         return qt.reshape(self.n, self.hkv, self.g * (q1 - q0), qt.shape[-1])
 
     def rows(self, x: Tensor, q0: int, q1: int) -> Tensor:
@@ -102,21 +115,33 @@ class _Tiles:
         t = x[:, :, q0:q1]
         return t.reshape(self.n, self.hkv, self.g * (q1 - q0), *t.shape[3:])
 
-    def scores(self, qt: Tensor, kb: int, q0: int, q1: int, vis: Optional[Tensor]):
-        """Final score tile (N, Hq, bq, bk) with masked pairs at -inf, plus the pre-score_mod
-        scores when a score_mod is present (the backward differentiates through it)."""
+    def mm_out(self, a: Tensor, b: Tensor) -> Tensor:
+        """a @ b in matmul dtype, result in compute dtype."""
+        if a.dtype != self.mm:
+            a = a.to(self.mm)
+        if b.dtype != self.mm:
+            b = b.to(self.mm)
+        out = torch.matmul(a, b)
+        return out if out.dtype == self.cd else out.to(self.cd)
+
+    def scores(self, qt: Tensor, kb: int, q0: int, q1: int, vis: Optional[Tensor],
+               keep: bool = False):
+        """Final score tile (N, Hq, bq, bk), masked pairs at -inf. With ``keep`` (backward)
+        also the raw scaled scores and the pre-score_mod scores, for the chain rule."""
         spec = self.spec
         k0, k1 = self.plan.k_range(kb)
-        s = torch.matmul(qt, self.k[:, :, k0:k1].transpose(-1, -2))
+        s = self.mm_out(qt, self.k[:, :, k0:k1].transpose(-1, -2))
         s = s.view(self.n, self.hq, q1 - q0, k1 - k0)
         raw = s
-        s = _score_terms(spec, s, q0, q1, k0, k1)
+        s = _score_terms(spec, s, q0, q1, k0, k1, inplace=not keep)
         pre_mod = s
         if spec.score_mod is not None:
             s = _apply_score_mod(spec, s, q0, q1, k0, k1)
+        own = not keep and spec.score_mod is None  # s is a fresh tile nobody else holds
         if vis is not None:
-            s = s.masked_fill(~vis, float("-inf"))
-        return s, raw, pre_mod
+            s = s.masked_fill_(~vis, float("-inf")) if own else s.masked_fill(~vis, float("-inf"))
+            own = True
+        return s, raw, pre_mod, own
 
 
 def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
@@ -142,17 +167,17 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
             if vis is not None and not bool(vis.any()):
                 continue
             k0, k1 = plan.k_range(kb)
-            s, _, _ = t.scores(qt, kb, q0, q1, vis)
+            s, _, _, own = t.scores(qt, kb, q0, q1, vis)
             s = s.reshape(n, t.hkv, rows, k1 - k0)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             m_safe = torch.where(m_new == neg_inf, torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_safe)
+            p = s.sub_(m_safe).exp_() if own else torch.exp(s - m_safe)
             alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(-1, keepdim=True)
+            l = l.mul_(alpha).add_(p.sum(-1, keepdim=True))
             drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
             if drop is not None:
-                p = (p.view(n, hq, q1 - q0, k1 - k0) * drop).view(n, t.hkv, rows, k1 - k0)
-            acc = acc * alpha + torch.matmul(p, t.v[:, :, k0:k1])
+                p = p.view(n, hq, q1 - q0, k1 - k0).mul_(drop).view(n, t.hkv, rows, k1 - k0)
+            acc = acc.mul_(alpha).add_(t.mm_out(p, t.v[:, :, k0:k1]))
             m = m_new
         m_safe = torch.where(m == neg_inf, torch.zeros_like(m), m)
         row_lse = m_safe + torch.log(l)  # -inf where l == 0
@@ -210,16 +235,16 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
         do_t = t.rows(dout_c, q0, q1)
         lse_t = t.rows(lse_safe, q0, q1).unsqueeze(-1)
         delta_t = t.rows(delta, q0, q1).unsqueeze(-1)
-        dq_acc = torch.zeros_like(qt)
+        dq_acc = torch.zeros(qt.shape, dtype=cd, device=dev)
         for kb in kbs:
             vis = tile_visibility(spec, plan, qb, kb)
             if vis is not None and not bool(vis.any()):
                 continue
             k0, k1 = plan.k_range(kb)
-            s, raw, pre_mod = t.scores(qt, kb, q0, q1, vis)
+            s, raw, pre_mod, _ = t.scores(qt, kb, q0, q1, vis, keep=True)
             p = torch.exp(s.reshape(n, hkv, rows, k1 - k0) - lse_t)
             vt = t.v[:, :, k0:k1]
-            dp = torch.matmul(do_t, vt.transpose(-1, -2))
+            dp = t.mm_out(do_t, vt.transpose(-1, -2))
             drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
             if drop is not None:
                 shape4 = (n, hq, q1 - q0, k1 - k0)
@@ -227,12 +252,12 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
                 dp = (dp.view(shape4) * drop).view_as(dp)
             else:
                 p_drop = p
-            dvv[:, :, k0:k1] += torch.matmul(p_drop.transpose(-1, -2), do_t)
+            dvv[:, :, k0:k1] += t.mm_out(p_drop.transpose(-1, -2), do_t)
             ds = (p * (dp - delta_t)).view(n, hq, q1 - q0, k1 - k0)
             ds = _score_backward(spec, ds, raw, pre_mod, q0, q1, k0, k1, dbias, dparams)
             ds = ds.reshape(n, hkv, rows, k1 - k0)
-            dq_acc += torch.matmul(ds, t.k[:, :, k0:k1])
-            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
+            dq_acc += t.mm_out(ds, t.k[:, :, k0:k1])
+            dk[:, :, k0:k1] += t.mm_out(ds.transpose(-1, -2), qt)
         dq[:, :, q0:q1] = (dq_acc * spec.scale).view(n, hq, q1 - q0, -1)
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
@@ -297,6 +322,6 @@ def dense_probabilities(spec: AttentionSpec, lse: Tensor) -> Tensor:
         for kb in kbs:
             k0, k1 = plan.k_range(kb)
             vis = tile_visibility(spec, plan, qb, kb)
-            s, _, _ = t.scores(qt, kb, q0, q1, vis)
+            s, _, _, _ = t.scores(qt, kb, q0, q1, vis)
             p[:, :, q0:q1, k0:k1] = torch.exp(s - lse_safe[:, :, q0:q1, None])
     return p
