@@ -6,7 +6,7 @@ it is tested against. Masks and score mods live in :mod:`attnkit.masks` and
 :mod:`attnkit.score_mods`.
 """
 
-from . import masks, score_mods
+from . import distributed, masks, score_mods
 from .api import (
     AuxOutput,
     AuxRequest,
@@ -34,6 +34,7 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "create_block_mask",
+    "distributed",
     "flex_attention",
     "paged_attention",
     "paged_attention_blocks",

@@ -49,8 +49,8 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
                  inplace: bool) -> Tensor:
     """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi. With
     ``inplace`` the tile ``s`` is overwritten (the forward needs no intermediate)."""
-    if spec.softcap is not None:
-        s = (s.div_(spec.softcap) if inplace else s / spec.softcap).tanh_().mul_(spec.softcap)
+    if spec.softcap is not None:  # s arrives already divided by the cap (see q_tile)
+        s = (s.tanh_() if inplace else s.tanh()).mul_(spec.softcap)
         inplace = True
     if spec.bias is not None:
         b = slice_tile(spec.bias, q0, q1, k0, k1)
@@ -59,7 +59,7 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
     if spec.alibi_slopes is not None:
         j = torch.arange(k0, k1, device=s.device).view(1, 1, 1, -1)
         dist = (spec.aligned_rows(q0, q1) - j).abs_().to(s.dtype)
-        term = dist.mul_(spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1).neg())
+        term = dist * spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1).neg()
         s = s.add_(term) if inplace and term.shape == s.shape else s + term
     return s
 
@@ -104,10 +104,12 @@ class _Tiles:
         self.k = spec.k.to(self.mm)
         self.v = spec.v.to(self.mm)
         self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
+        self.q_scale = spec.scale / (spec.softcap or 1.0)
 
     def q_tile(self, q0: int, q1: int) -> Tensor:
-        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), matmul dtype."""
-        qt = (self.spec.q[:, :, q0:q1].to(self.cd) * self.spec.scale).to(self.mm)
+        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), matmul dtype. With a
+        softcap the scale includes 1 / cap, so the score tile is ready for tanh."""
+        qt = (self.spec.q[:, :, q0:q1].to(self.cd) * self.q_scale).to(self.mm)
         return qt.reshape(self.n, self.hkv, self.g * (q1 - q0), qt.shape[-1])
 
     def rows(self, x: Tensor, q0: int, q1: int) -> Tensor:
@@ -258,7 +260,7 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
             ds = ds.reshape(n, hkv, rows, k1 - k0)
             dq_acc += t.mm_out(ds, t.k[:, :, k0:k1])
             dk[:, :, k0:k1] += t.mm_out(ds.transpose(-1, -2), qt)
-        dq[:, :, q0:q1] = (dq_acc * spec.scale).view(n, hq, q1 - q0, -1)
+        dq[:, :, q0:q1] = (dq_acc * t.q_scale).view(n, hq, q1 - q0, -1)
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
         p_sink = torch.exp(spec.sinks.to(cd).view(1, hq, 1) - lse_safe)
@@ -283,9 +285,9 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
                 dparams[idx] = g if dparams[idx] is None else dparams[idx] + g
     if dbias is not None:
         _accumulate_broadcast(dbias, ds, q0, q1, k0, k1)
-    if spec.softcap is not None:
-        th = torch.tanh(raw / spec.softcap)
-        ds = ds * (1.0 - th * th)
+    if spec.softcap is not None:  # raw is scale * q.k / cap: d(cap * tanh(raw)) / d raw
+        th = torch.tanh(raw)
+        ds = ds * (1.0 - th * th) * spec.softcap
     return ds
 
 
