@@ -89,9 +89,9 @@ def test_matches_reference(kw, tiles, backend, request):
 ], ids=str)
 def test_gradcheck_float64(kw, small_tiles, backend):
     g = torch.Generator().manual_seed(2)
-    n, hq, hkv, lq, lk = 2, 4, 2, 6, 9
-    q = rand(n, hq, lq, 5, gen=g, requires_grad=True)
-    k = rand(n, hkv, lk, 5, gen=g, requires_grad=True)
+    n, hq, hkv, lq, lk = 2, 2, 1, 5, 7
+    q = rand(n, hq, lq, 4, gen=g, requires_grad=True)
+    k = rand(n, hkv, lk, 4, gen=g, requires_grad=True)
     v = rand(n, hkv, lk, 3, gen=g, requires_grad=True)
     opts = {key: val for key, val in kw.items() if key not in ("mask", "bias")}
     inputs = [q, k, v]
@@ -106,7 +106,7 @@ def test_gradcheck_float64(kw, small_tiles, backend):
         return attnkit.attention(q, k, v, bias=bias[0] if bias else None, backend=backend,
                                  **opts)
 
-    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=backend == "fused")
 
 
 def test_gradients_match_reference_with_broadcast_bias(backend):
