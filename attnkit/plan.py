@@ -188,9 +188,10 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
     ks, ke = _block_starts(spec.lk, bk, dev)
     nqb, nkb = qs.numel(), ks.numel()
     any_ = torch.ones(nqb, nkb, dtype=torch.bool, device=dev)
-    if spec.lq == 0 or spec.lk == 0:
-        any_.zero_()
     term_full: Dict[str, Tensor] = {}
+    if spec.lq == 0 or spec.lk == 0:  # nothing to attend: every tile is empty
+        any_.zero_()
+        return Plan(bq=bq, bk=bk, lq=spec.lq, lk=spec.lk, any=any_.cpu())
     if spec.has_band:
         a, f = _band_status(spec, bq, ks, ke)
         any_ &= a

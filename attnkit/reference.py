@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .spec import AttentionSpec, build_spec
+from .spec import AttentionSpec, _canonical_4d, build_spec
 
 
 def visibility(spec: AttentionSpec) -> Tensor:
@@ -113,7 +113,9 @@ def attention_reference(
     p = torch.exp(s - safe.unsqueeze(-1))
     weights = p
     if dropout_keep is not None:
-        p = p * dropout_keep.to(p.dtype) / (1.0 - dropout_p)
+        keep = _canonical_4d("dropout_keep", dropout_keep, spec.batch_shape, spec.n,
+                             (spec.hq, spec.lq, spec.lk))
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
     vv = spec.v.double().repeat_interleave(spec.groups, dim=1)
     out = p @ vv
     out = out.reshape(spec.output_shape(spec.dv))

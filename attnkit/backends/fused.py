@@ -156,7 +156,7 @@ def _whole_causal(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
             or spec.right != 0 or spec.row_offset is not None):
         return None
     off = spec.diag_offset()
-    if not isinstance(off, int) or off + spec.lq != spec.lk or spec.lq == 0:
+    if not isinstance(off, int) or off + spec.lq != spec.lk or spec.lq == 0 or spec.lk == 0:
         return None
     pieces = []
     if off > 0:

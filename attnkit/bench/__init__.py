@@ -1,0 +1,214 @@
+"""``attnkit bench``: attnkit against torch SDPA, FlexAttention (eager and compiled) and a naive
+dense baseline, on the same inputs in the same run.
+
+Usage (``python -m attnkit.bench`` takes the same options)::
+
+    attnkit bench [--suite quick|standard|long] [--dtype float32,bfloat16] [--pass fwd,fwd+bwd]
+                  [--only NAME,...] [--peers NAME,...] [--json PATH] [--plot PATH] [--repeat N]
+                  [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS] [--list]
+
+Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about a minute on 2 cores, float32, no
+compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
+``standard`` (the suite the performance goals are judged on; float32 and bfloat16, every
+peer), ``long`` (``standard`` plus 32k-64k contexts).
+
+Per case, pass, dtype and peer: median time over interleaved rounds, the peer/attnkit ratio
+taken round by round, effective GFLOP/s over visible pairs and as a % of this machine's matmul
+GFLOP/s, peak memory of the call (fresh child process; cases marked for it, or all with
+``--memory``), max error against a reference, and a note for anything not run. The JSON
+schema is in :mod:`attnkit.bench.report`.
+
+Layout: ``cases`` (catalog as data), ``peers`` (one adapter per implementation),
+``workloads`` (inputs, dense helpers), ``flops``, ``timing``, ``accuracy``, ``memory``,
+``report`` (table, JSON, plot), ``runner``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["SUITE_DEFAULTS", "add_arguments", "main", "run_from_args"]
+
+SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "quick": {"dtypes": ["float32"], "peers": ["attnkit", "sdpa", "flex", "naive"],
+              "repeat": 3},
+    "standard": {"dtypes": ["float32", "bfloat16"],
+                 "peers": ["attnkit", "sdpa", "flex", "flex_compiled", "naive"], "repeat": 3},
+    "long": {"dtypes": ["float32", "bfloat16"],
+             "peers": ["attnkit", "sdpa", "flex", "flex_compiled", "naive"], "repeat": 2},
+}
+"""Defaults each suite gives to options left unset."""
+
+
+def _csv(text: str) -> List[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench`` options to ``parser`` (the ``attnkit bench`` subcommand calls this)."""
+    parser.add_argument("--suite", choices=("quick", "standard", "long"), default="quick",
+                        help="quick: ~1 min, small shapes (default); standard: the performance "
+                             "goals (~15 min); long: standard plus 32k-64k contexts")
+    parser.add_argument("--dtype", dest="dtypes", type=_csv, default=None, metavar="LIST",
+                        help="comma-separated dtypes, e.g. float32,bfloat16 "
+                             "(default: quick float32, others both)")
+    parser.add_argument("--pass", dest="passes", type=_csv, default=None, metavar="LIST",
+                        help="comma-separated passes: fwd, fwd+bwd (default: both)")
+    parser.add_argument("--only", type=_csv, default=None, metavar="NAMES",
+                        help="run only these cases (any case of the catalog; see --list)")
+    parser.add_argument("--peers", type=_csv, default=None, metavar="NAMES",
+                        help="peers to run: attnkit, sdpa, flex, flex_compiled, naive "
+                             "(default: all; quick leaves out flex_compiled)")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="write every figure and the machine info to PATH")
+    parser.add_argument("--plot", metavar="PATH", default=None,
+                        help="draw time per case per peer to PATH (needs matplotlib)")
+    parser.add_argument("--repeat", type=int, default=None, metavar="N",
+                        help="timed rounds per case (default: quick 3, standard 3, long 2; "
+                             "slow cases cap it unless given here)")
+    mem = parser.add_mutually_exclusive_group()
+    mem.add_argument("--memory", dest="memory", action="store_const", const="all",
+                     default="auto", help="measure peak memory for every case (a child "
+                                          "process per measurement; default: only the cases "
+                                          "marked for it)")
+    mem.add_argument("--no-memory", dest="memory", action="store_const", const="off",
+                     help="measure no peak memory")
+    parser.add_argument("--mem-budget", dest="mem_budget_gib", type=float, default=6.0,
+                        metavar="GIB", help="skip a peer whose estimated extra memory exceeds "
+                                            "this (default 6 GiB)")
+    parser.add_argument("--min-sample-ms", type=float, default=20.0, metavar="MS",
+                        help="repeat small calls inside one sample to last at least this long")
+    parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    return parser
+
+
+def _error(msg: str) -> int:
+    print(f"attnkit bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _list_cases() -> int:
+    from .cases import CATALOG
+    from .flops import visible_pairs
+
+    for c in CATALOG:
+        frac = visible_pairs(c) / c.pairs
+        feats = ",".join(sorted(c.features())) or "-"
+        print(f"{c.name:18s} {'/'.join(c.suites):15s} {c.shape_str():28s} "
+              f"visible {frac:6.1%}  {feats}")
+    return 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed ``args``; returns the exit code.
+
+    0 on success (peers that cannot run a case are marked, not failures), 1 when attnkit
+    itself raised on some case, 2 on bad options.
+    """
+    if getattr(args, "list", False):
+        return _list_cases()
+    from .cases import PASSES, select
+    from .peers import PEERS, SUBJECT
+    from .report import plot_available
+    from .workloads import dtype_name, dtype_of
+
+    defaults = SUITE_DEFAULTS[args.suite]
+    try:
+        cases = select(args.suite, args.only)
+    except ValueError as err:
+        return _error(str(err))
+    try:
+        dtypes = [dtype_name(dtype_of(d)) for d in (args.dtypes or defaults["dtypes"])]
+    except ValueError as err:
+        return _error(str(err))
+    passes = args.passes or list(PASSES)
+    bad = [p for p in passes if p not in PASSES]
+    if bad:
+        return _error(f"unknown pass(es) {bad}; use {', '.join(PASSES)}")
+    peers = args.peers or list(defaults["peers"])
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        return _error(f"unknown peer(s) {bad}; use {', '.join(PEERS)}")
+    peers = [p for p in PEERS if p in peers]  # subject first, catalog order
+    if args.repeat is not None and args.repeat < 1:
+        return _error("--repeat must be >= 1")
+    if args.plot:
+        missing = plot_available()
+        if missing:
+            return _error(missing)
+
+    from .runner import Settings
+
+    settings = Settings(
+        suite=args.suite, cases=cases, dtypes=dtypes, passes=passes, peers=peers,
+        repeat=args.repeat, default_repeat=defaults["repeat"], memory=args.memory,
+        mem_budget_gib=args.mem_budget_gib, min_sample_s=args.min_sample_ms / 1e3,
+        only=list(args.only or []))
+    doc, results = _run_with_progress(settings)
+    if args.json:
+        from .report import write_json
+
+        write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .report import plot
+
+        plot(results, args.plot, title=f"attnkit bench, suite {args.suite}")
+        print(f"wrote {args.plot}")
+    failed = [r for r in results if r.peer == SUBJECT and r.status == "error"]
+    return 1 if failed else 0
+
+
+def _run_with_progress(settings: Any) -> tuple:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import runner
+    from .report import build_report, render_table
+
+    start = time.perf_counter()
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    err_console = Console(stderr=True)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                  transient=False) as progress:
+        task = progress.add_task("starting", total=runner.count_steps(settings))
+        matmul, results = runner.run(
+            settings,
+            step=lambda text: progress.update(task, description=text),
+            advance=lambda: progress.advance(task))
+        progress.update(task, description="done")
+    wall = time.perf_counter() - start
+    machine = runner.machine_info()
+    doc = build_report(
+        suite=settings.suite, created=created, wall_s=wall, machine=machine,
+        matmul_gflops=matmul, settings=settings.to_json(),
+        cases=[c.describe() for c in settings.cases], results=results)
+    title = (f"attnkit bench, suite {settings.suite}: {machine['cpu']}, "
+             f"{machine['threads']} threads, torch {machine['torch']}")
+    caption = "\n".join([
+        f"matmul 2048^3 this run: float32 {matmul['float32']:.0f} GFLOP/s, "
+        f"bfloat16 {matmul['bfloat16']:.0f} GFLOP/s; wall {wall:.0f} s",
+        "ratio = peer time / attnkit time, median of per-round ratios (each peer run "
+        "bracketed by attnkit runs); > 1 means attnkit is faster",
+        "GFLOP/s count visible pairs only: fwd 2*B*H*Lq*Lk_vis*(dqk+dv), fwd+bwd 3.5x fwd",
+        "max err: output / gradients vs the float64 reference (small cases) or a float32 "
+        "dense run of the first 256 query rows (large cases)",
+        "peak MiB: resident-set growth of one call in a fresh process (- = not measured; "
+        "--memory measures every case)",
+        *runner.summary_lines(results),
+    ])
+    render_table(results, title=title, caption=caption)
+    return doc, results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m attnkit.bench``."""
+    parser = argparse.ArgumentParser(prog="python -m attnkit.bench",
+                                     description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))

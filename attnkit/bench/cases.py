@@ -1,0 +1,297 @@
+"""The benchmark catalog: every workload is a :class:`Case`, a plain frozen record.
+
+A case says *what* is computed (shapes, mask, score changes), never *how*: each peer in
+:mod:`attnkit.bench.peers` translates it into its own calls, and :meth:`Case.features` is the
+vocabulary they check it against. Adding a workload is adding a ``Case(...)`` to
+:data:`CATALOG`; adding a kind of workload (varlen, paged decode, dropout ...) is adding a
+field (or an ``extra`` key, which becomes a feature of the same name) and teaching the peers
+that can express it: peers that do not know a feature report it as "cannot express", so an
+unknown feature can never be silently ignored.
+
+Shape legend (the same for every peer)::
+
+    q (B, Hq, Lq, d_qk)    k (B, Hkv, Lk, d_qk)    v (B, Hkv, Lk, d_v)    out (B, Hq, Lq, d_v)
+
+Suites:
+
+* ``quick``    -- small shapes (L <= 1024), every workload once; about a minute on 2 cores.
+* ``standard`` -- the suite the performance goals are judged on (issue 5): B=1, H=8, d=64,
+  L=4096..8192, a small call and a 32k-token memory check.
+* ``long``     -- ``standard`` plus long contexts (32k..64k tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+SUITES: Tuple[str, ...] = ("quick", "standard", "long")
+PASSES: Tuple[str, ...] = ("fwd", "fwd+bwd")
+DIAGONALS: Tuple[str, ...] = ("top_left", "bottom_right")
+
+# Which suites include a case tagged with a given suite: ``long`` runs everything ``standard``
+# does, plus its own cases.
+_SUITE_INCLUDES: Dict[str, Tuple[str, ...]] = {
+    "quick": ("quick",),
+    "standard": ("standard",),
+    "long": ("standard", "long"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One named workload.
+
+    Masks combine with AND, except ``prefix`` (prefix-LM), which is its own complete mask
+    (``kv_idx <= q_idx or kv_idx < prefix``). Every combination used here keeps each query
+    row's visible keys one contiguous range, which is what :mod:`attnkit.bench.flops` counts.
+
+    Attributes:
+        name: unique name, used by ``--only``.
+        batch, heads_q, heads_kv, len_q, len_kv, d_qk, d_v: shapes (``None`` = same as the
+            query-side value).
+        causal: key j is visible from query i iff ``j <= i'`` (``i' = i`` top-left,
+            ``i + Lk - Lq`` bottom-right; see ``diagonal``).
+        window: ``(left, right)``, key j visible iff ``i' - left <= j <= i' + right``; ``None``
+            on a side = unbounded.
+        documents: pack this many documents of random (seeded) lengths into the sequence; a
+            query sees only keys of its own document (AND causal when ``causal``).
+        prefix: prefix-LM with a bidirectional prefix of this many tokens.
+        alibi: ALiBi with the standard slopes (FlashAttention's convention).
+        softcap: ``cap * tanh(score / cap)`` on the scaled scores.
+        relative_bias: a learnable ``(Hq, 2M - 1)`` relative-position table, ``M = max(Lq, Lk)``
+            (the convention of :func:`attnkit.score_mods.relative_bias`); it gets a gradient.
+        suites: the suites that run this case.
+        passes: the passes that make sense for it.
+        dtypes: restrict to these dtypes (``None`` = whatever the run asks for).
+        peers: restrict to these peers (``None`` = whatever the run asks for); the others get
+            a "skipped" row, so the restriction stays visible.
+        repeat: cap on the number of timed rounds (slow cases).
+        warmup: run every callable once before timing (off for cases where one call is long).
+        memory: measure peak memory even without ``--memory``.
+        extra: parameters of features added later (``{"dropout_p": 0.1}`` ...); every key is
+            reported by :meth:`features`, so peers that cannot express it say so.
+        seed: seed for inputs and document lengths.
+        note: one line on what the case checks.
+    """
+
+    name: str
+    batch: int = 1
+    heads_q: int = 8
+    heads_kv: Optional[int] = None
+    len_q: int = 1024
+    len_kv: Optional[int] = None
+    d_qk: int = 64
+    d_v: Optional[int] = None
+    causal: bool = False
+    diagonal: str = "top_left"
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None
+    documents: int = 0
+    prefix: int = 0
+    alibi: bool = False
+    softcap: Optional[float] = None
+    relative_bias: bool = False
+    suites: Tuple[str, ...] = ("standard",)
+    passes: Tuple[str, ...] = PASSES
+    dtypes: Optional[Tuple[str, ...]] = None
+    peers: Optional[Tuple[str, ...]] = None
+    repeat: Optional[int] = None
+    warmup: bool = True
+    memory: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        for attr in ("batch", "heads_q", "len_q", "d_qk"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"case {self.name!r}: {attr} must be >= 1")
+        if self.hkv < 1 or self.heads_q % self.hkv:
+            raise ValueError(
+                f"case {self.name!r}: heads_q={self.heads_q} must be a multiple of "
+                f"heads_kv={self.hkv}")
+        if self.diagonal not in DIAGONALS:
+            raise ValueError(f"case {self.name!r}: diagonal must be one of {DIAGONALS}")
+        if (self.documents or self.prefix) and self.len_q != self.lk:
+            raise ValueError(f"case {self.name!r}: documents/prefix need len_q == len_kv")
+        if self.documents and self.documents > self.len_q:
+            raise ValueError(f"case {self.name!r}: more documents than tokens")
+        if self.prefix and (self.causal or self.window or self.documents):
+            raise ValueError(
+                f"case {self.name!r}: prefix-LM is a complete mask; do not combine it with "
+                "causal, window or documents")
+        unknown = [s for s in self.suites if s not in SUITES]
+        if unknown:
+            raise ValueError(f"case {self.name!r}: unknown suites {unknown}; use {SUITES}")
+        bad = [p for p in self.passes if p not in PASSES]
+        if bad:
+            raise ValueError(f"case {self.name!r}: unknown passes {bad}; use {PASSES}")
+
+    # ---- derived sizes ---------------------------------------------------------------------
+    @property
+    def hkv(self) -> int:
+        """Key/value heads."""
+        return self.heads_q if self.heads_kv is None else self.heads_kv
+
+    @property
+    def lk(self) -> int:
+        """Key/value length."""
+        return self.len_q if self.len_kv is None else self.len_kv
+
+    @property
+    def dv(self) -> int:
+        """Value head dim."""
+        return self.d_qk if self.d_v is None else self.d_v
+
+    @property
+    def offset(self) -> int:
+        """``i' - i``: 0 for top-left alignment, ``Lk - Lq`` for bottom-right."""
+        return self.lk - self.len_q if self.diagonal == "bottom_right" else 0
+
+    @property
+    def pairs(self) -> int:
+        """All (query, key) pairs over batch and query heads: ``B * Hq * Lq * Lk``."""
+        return self.batch * self.heads_q * self.len_q * self.lk
+
+    @property
+    def max_distance(self) -> int:
+        """``M`` of the relative-bias table ``(Hq, 2M - 1)``."""
+        return max(self.len_q, self.lk)
+
+    def features(self) -> FrozenSet[str]:
+        """Names of everything a peer must express to run this case."""
+        f = set()
+        if self.causal:
+            f.add("causal")
+        if self.diagonal == "bottom_right" and (self.causal or self.window):
+            f.add("bottom_right")
+        if self.window is not None:
+            f.add("window")
+        if self.documents:
+            f.add("documents")
+        if self.prefix:
+            f.add("prefix_lm")
+        if self.hkv != self.heads_q:
+            f.add("gqa")
+        if self.alibi:
+            f.add("alibi")
+        if self.softcap is not None:
+            f.add("softcap")
+        if self.relative_bias:
+            f.add("relative_bias")
+        if self.dv != self.d_qk:
+            f.add("d_v")
+        f.update(self.extra)
+        return frozenset(f)
+
+    def doc_lengths(self) -> List[int]:
+        """Lengths of the packed documents (seeded, each >= 1, summing to ``len_q``)."""
+        if not self.documents:
+            return []
+        rng = np.random.default_rng(self.seed + 1)
+        cuts = np.sort(rng.choice(np.arange(1, self.len_q), self.documents - 1, replace=False))
+        edges = np.concatenate([[0], cuts, [self.len_q]])
+        return [int(x) for x in np.diff(edges)]
+
+    def shape_str(self) -> str:
+        """Compact shape, e.g. ``B1 H32/8 L1024/8192 d192/128``."""
+        h = f"H{self.heads_q}" + (f"/{self.hkv}" if self.hkv != self.heads_q else "")
+        ln = f"L{self.len_q}" + (f"/{self.lk}" if self.lk != self.len_q else "")
+        d = f"d{self.d_qk}" + (f"/{self.dv}" if self.dv != self.d_qk else "")
+        return f"B{self.batch} {h} {ln} {d}"
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-ready description (the ``cases`` entries of the report)."""
+        from .flops import visible_pairs
+
+        vis = visible_pairs(self)
+        return {
+            "name": self.name, "batch": self.batch, "heads_q": self.heads_q,
+            "heads_kv": self.hkv, "len_q": self.len_q, "len_kv": self.lk, "d_qk": self.d_qk,
+            "d_v": self.dv, "causal": self.causal, "diagonal": self.diagonal,
+            "window": list(self.window) if self.window is not None else None,
+            "documents": self.doc_lengths() or None, "prefix": self.prefix or None,
+            "alibi": self.alibi, "softcap": self.softcap,
+            "relative_bias": self.relative_bias, "extra": dict(self.extra),
+            "features": sorted(self.features()), "visible_pairs": vis,
+            "visible_fraction": vis / self.pairs, "note": self.note,
+        }
+
+
+_Q = ("quick",)
+_S = ("standard",)
+_L = ("long",)
+
+# Workloads; quick versions are small copies of the standard ones.
+CATALOG: Tuple[Case, ...] = (
+    # ---- quick: every workload small; ~1 minute in total on 2 cores
+    Case("dense_1k", heads_q=4, len_q=1024, suites=_Q, note="no mask"),
+    Case("causal_1k", heads_q=4, len_q=1024, causal=True, suites=_Q),
+    Case("causal_br_256_1k", heads_q=4, len_q=256, len_kv=1024, causal=True,
+         diagonal="bottom_right", suites=_Q, note="chunked prefill, Lq != Lk"),
+    Case("window_1k", heads_q=4, len_q=1024, causal=True, window=(128, 0), suites=_Q),
+    Case("document_1k", heads_q=4, len_q=1024, causal=True, documents=8, suites=_Q),
+    Case("prefix_lm_1k", heads_q=4, len_q=1024, prefix=256, suites=_Q),
+    Case("gqa_512", heads_q=32, heads_kv=8, len_q=512, d_qk=128, causal=True, suites=_Q),
+    Case("alibi_1k", heads_q=4, len_q=1024, causal=True, alibi=True, suites=_Q),
+    Case("softcap_1k", heads_q=4, len_q=1024, causal=True, softcap=5.0, suites=_Q),
+    Case("relbias_1k", heads_q=4, len_q=1024, causal=True, relative_bias=True, suites=_Q),
+    Case("dqk192_512", heads_q=4, len_q=512, d_qk=192, d_v=128, causal=True, suites=_Q),
+    Case("small_256", heads_q=8, len_q=256, suites=_Q + _S,
+         note="small call: fixed overheads"),
+    Case("long_8k", heads_q=1, len_q=8192, causal=True, suites=_Q, repeat=1, warmup=False,
+         memory=True, note="memory check, quick size"),
+    # ---- standard (issue 5's goals): B=1, H=8, d=64
+    Case("dense_4k", len_q=4096, suites=_S),
+    Case("causal_4k", len_q=4096, causal=True, suites=_S),
+    Case("causal_br_1k_8k", len_q=1024, len_kv=8192, causal=True, diagonal="bottom_right",
+         suites=_S, note="chunked prefill, Lq != Lk"),
+    Case("window_8k", len_q=8192, causal=True, window=(512, 0), suites=_S),
+    Case("document_8k", len_q=8192, causal=True, documents=8, suites=_S),
+    Case("prefix_lm_4k", len_q=4096, prefix=1024, suites=_S),
+    Case("gqa_2k", heads_q=32, heads_kv=8, len_q=2048, d_qk=128, causal=True, suites=_S),
+    Case("alibi_8k", len_q=8192, causal=True, alibi=True, suites=_S),
+    Case("softcap_8k", len_q=8192, causal=True, softcap=5.0, suites=_S),
+    Case("relbias_8k", len_q=8192, causal=True, relative_bias=True, suites=_S),
+    Case("dqk192_4k", len_q=4096, d_qk=192, d_v=128, causal=True, suites=_S),
+    Case("long_32k", len_q=32768, causal=True, suites=_S, dtypes=("float32",),
+         peers=("attnkit", "sdpa"), repeat=1, warmup=False, memory=True,
+         note="memory: O(L) extra, not O(L^2)"),
+    # ---- long contexts
+    Case("long_32k_bf16", len_q=32768, causal=True, suites=_L, dtypes=("bfloat16",),
+         peers=("attnkit", "sdpa"), repeat=1, warmup=False, memory=True),
+    Case("window_64k", len_q=65536, causal=True, window=(512, 0), suites=_L, repeat=2,
+         warmup=False, memory=True),
+    Case("document_32k", len_q=32768, causal=True, documents=8, suites=_L, repeat=1,
+         warmup=False, memory=True),
+    Case("causal_64k", len_q=65536, causal=True, suites=_L, passes=("fwd",), repeat=1,
+         warmup=False, memory=True),
+)
+
+
+def catalog() -> Dict[str, Case]:
+    """All cases by name."""
+    return {c.name: c for c in CATALOG}
+
+
+def select(suite: str, only: Optional[Iterable[str]] = None,
+           cases: Iterable[Case] = CATALOG) -> List[Case]:
+    """The cases of ``suite`` in catalog order, or exactly the cases named in ``only``.
+
+    ``only`` may name any case in the catalog, whatever its suite.
+    """
+    cases = list(cases)
+    if only:
+        by_name = {c.name: c for c in cases}
+        names = list(only)
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(
+                f"unknown case(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+        return [by_name[n] for n in names]
+    if suite not in SUITES:
+        raise ValueError(f"suite must be one of {SUITES}; got {suite!r}")
+    tags = _SUITE_INCLUDES[suite]
+    return [c for c in cases if any(t in c.suites for t in tags)]

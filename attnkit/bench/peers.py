@@ -1,0 +1,473 @@
+"""The implementations measured, one small adapter each, all on the same inputs.
+
+=================  ============================================================================
+``attnkit``        :func:`attnkit.attention` with what a user would pass: native ``causal``,
+                   ``window``, ``diagonal``, ``softcap``, ``alibi_slopes``; a BlockMask built
+                   once (outside the timing) for documents and prefix-LM; the relative bias as
+                   :func:`attnkit.score_mods.relative_bias` over a learnable table.
+``sdpa``           ``torch.nn.functional.scaled_dot_product_attention``: native ``is_causal``,
+                   ``causal_lower_right`` and ``enable_gqa`` where they apply, a dense bool mask
+                   or float bias otherwise (built outside the timing, except the learnable
+                   relative bias, gathered from its table inside the call so it gets a
+                   gradient). It cannot express softcap.
+``flex``           torch FlexAttention, eager: mask_mod/score_mod closures and a torch BlockMask
+                   built outside the timing. Eager mode materialises the ``B*H*Lq*Lk`` scores.
+``flex_compiled``  the same under ``torch.compile``; the first call's compile time is reported
+                   apart. On CPU FlexAttention has no backward: ``fwd+bwd`` is marked, not run.
+``naive``          the textbook baseline: scores materialised in the input dtype, masked,
+                   softmaxed (:func:`attnkit.bench.workloads.dense_attention`).
+=================  ============================================================================
+
+Each adapter declares the case features it can express (``FEATURES``) and whether it has a
+backward; :meth:`Peer.supports` turns that into a list of reasons (empty = it can run), so a
+feature added to the catalog later is reported as "cannot express ..." by every peer that was
+not taught it. :meth:`Peer.extra_bytes` estimates the memory a peer allocates beyond the
+inputs; the runner skips a peer whose estimate exceeds the memory budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
+
+import torch
+from torch import Tensor
+
+from .cases import Case
+from .workloads import Workload, alibi_bias, dense_attention, relative_index
+
+Forward = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+ALL_FEATURES: FrozenSet[str] = frozenset({
+    "causal", "bottom_right", "window", "documents", "prefix_lm", "gqa", "alibi", "softcap",
+    "relative_bias", "d_v"})
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Peer:
+    """One implementation under test. Subclasses fill the class attributes and :meth:`build`."""
+
+    name: str = ""
+    label: str = ""
+    FEATURES: FrozenSet[str] = frozenset()
+    backward: bool = True
+    no_backward_reason: str = "no backward"
+    compiled: bool = False
+    max_rounds: Optional[int] = None
+    """Cap on timed rounds: slow baselines need fewer to show where they stand."""
+
+    def supports(self, case: Case, pass_: str) -> List[str]:
+        """Reasons this peer cannot run ``case`` in ``pass_`` (empty list = it can)."""
+        reasons = [f"cannot express {f}" for f in sorted(case.features() - self.FEATURES)]
+        if pass_ == "fwd+bwd" and not self.backward:
+            reasons.append(self.no_backward_reason)
+        return reasons
+
+    def extra_bytes(self, case: Case, pass_: str, dtype: torch.dtype) -> int:
+        """Estimated bytes allocated beyond the inputs (for the memory budget)."""
+        return 0
+
+    def remarks(self, case: Case, pass_: str) -> List[str]:
+        """How the case reaches this peer, when that is worth a note (e.g. "dense bool mask")."""
+        return []
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        """A ``forward(q, k, v) -> out`` with everything input-independent prepared.
+
+        ``table`` is the relative-bias table to use (the workload's, or a leaf that requires
+        grad for ``fwd+bwd``); masks are built here, outside the timed calls.
+        """
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- attnkit
+
+
+def attnkit_kwargs(w: Workload, table: Optional[Tensor],
+                   slopes: Optional[Tensor] = None) -> Dict[str, Any]:
+    """Keywords of :func:`attnkit.attention` for the workload (also fed to the reference)."""
+    c = w.case
+    kw: Dict[str, Any] = {}
+    if c.documents or c.prefix:
+        kw["mask"] = w.cached("attnkit_block_mask", lambda: _attnkit_block_mask(c))
+    else:
+        if c.causal:
+            kw["causal"] = True
+        if c.window is not None:
+            kw["window"] = c.window
+        if c.diagonal != "top_left":
+            kw["diagonal"] = c.diagonal
+    if c.softcap is not None:
+        kw["softcap"] = c.softcap
+    if c.alibi:
+        kw["alibi_slopes"] = w.slopes if slopes is None else slopes
+    if c.relative_bias:
+        from attnkit.score_mods import relative_bias
+
+        kw["score_mod"] = relative_bias(table)
+    return kw
+
+
+def _attnkit_mask_mod(c: Case) -> Any:
+    from attnkit import masks
+
+    if c.prefix:
+        return masks.prefix_lm(c.prefix)
+    doc = masks.document_from_lengths(c.doc_lengths())
+    return masks.and_masks(masks.causal(), doc) if c.causal else doc
+
+
+def _attnkit_block_mask(c: Case) -> Any:
+    """attnkit BlockMask of the case's mask_mod; the bare mask_mod while block_mask is absent."""
+    mod = _attnkit_mask_mod(c)
+    try:
+        from attnkit.block_mask import create_block_mask
+    except ImportError:
+        return mod
+    return create_block_mask(mod, None, None, c.len_q, c.lk, device="cpu")
+
+
+class Attnkit(Peer):
+    """:func:`attnkit.attention`, the subject."""
+
+    name = "attnkit"
+    label = "attnkit.attention"
+    FEATURES = ALL_FEATURES
+
+    def remarks(self, case: Case, pass_: str) -> List[str]:
+        if case.documents or case.prefix:
+            try:
+                import attnkit.block_mask  # noqa: F401
+            except ImportError:
+                return ["mask_mod given (attnkit.block_mask not available)"]
+        return []
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        import attnkit
+
+        kw = attnkit_kwargs(w, table)
+
+        def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attnkit.attention(q, k, v, **kw)
+
+        return forward
+
+
+# --------------------------------------------------------------------------- torch SDPA
+
+
+@functools.cache
+def _sdpa_has_gqa() -> bool:
+    import inspect
+
+    import torch.nn.functional as F
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # builtins without a signature: try it
+        try:
+            x = torch.zeros(1, 2, 1, 4)
+            F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], enable_gqa=True)
+            return True
+        except TypeError:
+            return False
+
+
+def _lower_right(c: Case) -> Any:
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:  # older torch: a dense mask does the same
+        return None
+    return causal_lower_right(c.len_q, c.lk)
+
+
+def _mask_kind(c: Case) -> str:
+    """How the case's visibility reaches SDPA: none, is_causal, lower_right or dense."""
+    if c.documents or c.prefix or c.window is not None:
+        return "dense"
+    if not c.causal:
+        return "none"
+    if c.diagonal == "top_left" or c.len_q == c.lk:
+        return "is_causal"
+    return "lower_right"
+
+
+class Sdpa(Peer):
+    """``torch.nn.functional.scaled_dot_product_attention``."""
+
+    name = "sdpa"
+    label = "torch SDPA"
+    FEATURES = ALL_FEATURES - {"softcap"}
+
+    def remarks(self, case: Case, pass_: str) -> List[str]:
+        kind = _mask_kind(case)
+        out = []
+        if case.alibi or case.relative_bias:
+            out.append("dense float bias" + (" from the table, in the call"
+                                             if case.relative_bias else ""))
+        elif kind == "dense":
+            out.append("dense bool mask")
+        elif kind == "lower_right":
+            out.append("causal_lower_right")
+        if case.dv != case.d_qk or (case.relative_bias and pass_ == "fwd+bwd"):
+            out.append("torch uses its math kernel")
+        return out
+
+    def extra_bytes(self, case: Case, pass_: str, dtype: torch.dtype) -> int:
+        per_head = case.len_q * case.lk
+        pairs = case.batch * case.heads_q * per_head
+        n = 0
+        float_bias = case.alibi or case.relative_bias
+        if _mask_kind(case) == "dense" or (float_bias and case.causal):
+            n += per_head  # bool mask
+        if case.alibi:
+            n += case.heads_q * per_head * _elem(dtype)
+        if case.relative_bias:
+            n += 3 * case.heads_q * per_head * 4  # gather, where, cast
+        math_path = case.dv != case.d_qk or (case.relative_bias and pass_ == "fwd+bwd")
+        if math_path:  # torch falls back to its dense math kernel
+            n += (3 if pass_ == "fwd" else 6) * pairs * 4
+        return n
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        import torch.nn.functional as F
+
+        c = w.case
+        kind = _mask_kind(c)
+        gqa = c.hkv != c.heads_q
+        native_gqa = gqa and _sdpa_has_gqa()
+        groups = c.heads_q // c.hkv
+        opts: Dict[str, Any] = {"scale": w.scale}
+        if native_gqa:
+            opts["enable_gqa"] = True
+        float_bias = c.alibi or c.relative_bias
+        static: Any = None  # mask or bias built once, outside the timing
+        if not float_bias:
+            if kind == "is_causal":
+                opts["is_causal"] = True
+            elif kind == "lower_right":
+                static = w.cached("sdpa_lower_right", lambda: _lower_right(c))
+                if static is None:
+                    static = w.visible()
+            elif kind == "dense":
+                static = w.visible()
+        vis = w.visible() if float_bias and kind != "none" else None
+        if c.alibi:
+            def build_alibi() -> Tensor:
+                bias = alibi_bias(c, w.slopes).unsqueeze(0)
+                if vis is not None and not c.relative_bias:
+                    bias = bias.masked_fill(~vis, float("-inf"))
+                return bias.to(w.dtype)
+
+            static = w.cached("sdpa_alibi", build_alibi)
+        index = w.cached("relative_index", lambda: relative_index(c)) if c.relative_bias else None
+
+        def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if gqa and not native_gqa:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            mask = static
+            if index is not None:
+                bias = table[:, index]  # (Hq, Lq, Lk), differentiable in the table
+                if vis is not None:
+                    bias = torch.where(vis, bias, float("-inf"))
+                bias = bias.to(q.dtype).unsqueeze(0)
+                mask = bias if static is None else bias + static
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **opts)
+
+        return forward
+
+
+# --------------------------------------------------------------------------- FlexAttention
+
+
+def _flex_mods(w: Workload, table: Optional[Tensor]) -> tuple:
+    """(mask_mod or None, score_mod or None), written the way a FlexAttention user writes them."""
+    c = w.case
+    off = c.offset
+    mask_mod = None
+    if c.prefix:
+        prefix = c.prefix
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return (kv_idx <= q_idx) | (kv_idx < prefix)
+    elif c.causal or c.window is not None or c.documents:
+        left, right = c.window if c.window is not None else (None, None)
+        causal = c.causal
+        doc_ids = None
+        if c.documents:
+            lengths = torch.tensor(c.doc_lengths())
+            doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            ok = kv_idx >= 0
+            if causal:
+                ok = ok & (kv_idx <= q_idx + off)
+            if left is not None:
+                ok = ok & (kv_idx >= q_idx + off - left)
+            if right is not None:
+                ok = ok & (kv_idx <= q_idx + off + right)
+            if doc_ids is not None:
+                ok = ok & (doc_ids[q_idx] == doc_ids[kv_idx])
+            return ok
+
+    cap = c.softcap
+    slopes = w.slopes if c.alibi else None
+    tab = table if c.relative_bias else None
+    m = c.max_distance
+    if cap is None and slopes is None and tab is None:
+        return mask_mod, None
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - (slopes[h] * (q_idx + off - kv_idx).abs()).to(score.dtype)
+        if tab is not None:
+            score = score + tab[h, kv_idx - q_idx + m - 1].to(score.dtype)
+        return score
+
+    return mask_mod, score_mod
+
+
+def _flex_block_mask(w: Workload, mask_mod: Any) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    c = w.case
+    return w.cached("flex_block_mask", lambda: create_block_mask(
+        mask_mod, None, None, c.len_q, c.lk, device="cpu"))
+
+
+class Flex(Peer):
+    """torch FlexAttention in eager mode (materialises the scores)."""
+
+    name = "flex"
+    label = "torch flex (eager)"
+    FEATURES = ALL_FEATURES
+    backward = False
+    no_backward_reason = "fwd only: torch flex has no CPU backward"
+    max_rounds = 2
+
+    def extra_bytes(self, case: Case, pass_: str, dtype: torch.dtype) -> int:
+        return 4 * case.pairs * 4  # scores, mods, exp and probabilities, float32
+
+    def _function(self) -> Callable[..., Tensor]:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        c = w.case
+        mask_mod, score_mod = _flex_mods(w, table)
+        block_mask = _flex_block_mask(w, mask_mod) if mask_mod is not None else None
+        fn = self._function()
+        gqa = c.hkv != c.heads_q
+
+        def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            with warnings.catch_warnings():  # eager mode warns that it is eager
+                warnings.simplefilter("ignore", UserWarning)
+                return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=w.scale,
+                          enable_gqa=gqa)
+
+        return forward
+
+
+class FlexCompiled(Flex):
+    """torch FlexAttention under ``torch.compile`` (a fused C++ kernel on CPU)."""
+
+    name = "flex_compiled"
+    label = "torch flex (compiled)"
+    compiled = True
+    max_rounds = None
+
+    def extra_bytes(self, case: Case, pass_: str, dtype: torch.dtype) -> int:
+        return 0
+
+    def _function(self) -> Callable[..., Tensor]:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # A fresh compile per case: stale graphs of earlier cases would otherwise pile up to
+        # dynamo's recompile limit, past which it silently runs eager.
+        torch._dynamo.reset()
+        return torch.compile(flex_attention, dynamic=False)
+
+
+# --------------------------------------------------------------------------- naive
+
+
+class Naive(Peer):
+    """Textbook attention with the scores materialised in the input dtype."""
+
+    name = "naive"
+    label = "naive dense"
+    FEATURES = ALL_FEATURES
+    max_rounds = 2
+
+    def extra_bytes(self, case: Case, pass_: str, dtype: torch.dtype) -> int:
+        pairs = case.pairs
+        n = case.len_q * case.lk  # bool mask
+        steps = 2 + (case.softcap is not None) + case.alibi + case.relative_bias
+        if case.alibi:
+            n += case.heads_q * case.len_q * case.lk * _elem(dtype)
+        if case.relative_bias:
+            n += case.heads_q * case.len_q * case.lk * 4
+        live = 3 if pass_ == "fwd" else steps + 4
+        return n + live * pairs * _elem(dtype)
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        c = w.case
+        vis = w.visible()
+        bias = w.cached("naive_alibi", lambda: alibi_bias(c, w.slopes).to(w.dtype)) \
+            if c.alibi else None
+        index = w.cached("relative_index", lambda: relative_index(c)) if c.relative_bias else None
+
+        def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return dense_attention(q, k, v, scale=w.scale, visible=vis, softcap=c.softcap,
+                                   bias=bias, table=table, table_index=index)
+
+        return forward
+
+
+# --------------------------------------------------------------------------- registry
+
+PEERS: Dict[str, Peer] = {p.name: p for p in (Attnkit(), Sdpa(), Flex(), FlexCompiled(), Naive())}
+"""Every peer by name, the subject (``attnkit``) first."""
+
+SUBJECT = "attnkit"
+
+
+def make_call(peer: Peer, w: Workload, pass_: str) -> Callable[[], Any]:
+    """The timed callable of ``peer`` for ``pass_``.
+
+    ``fwd``: ``forward(q, k, v)`` under ``torch.no_grad()`` (inference), returns ``out``.
+    ``fwd+bwd``: forward on leaves that require grad, then the gradients of ``sum(out * g)``
+    for q, k, v (and the relative-bias table); returns ``(out, grads)``.
+    """
+    if pass_ == "fwd":
+        fwd = peer.build(w, w.table)
+
+        def call_fwd() -> Tensor:
+            with torch.no_grad():
+                return fwd(w.q, w.k, w.v)
+
+        return call_fwd
+    if pass_ != "fwd+bwd":
+        raise ValueError(f"pass must be 'fwd' or 'fwd+bwd'; got {pass_!r}")
+    leaves = [w.q.detach().clone().requires_grad_(), w.k.detach().clone().requires_grad_(),
+              w.v.detach().clone().requires_grad_()]
+    table = None
+    if w.table is not None:
+        table = w.table.detach().clone().requires_grad_()
+        leaves.append(table)
+    fwd = peer.build(w, table)
+    g = w.g
+
+    def call_bwd() -> tuple:
+        out = fwd(leaves[0], leaves[1], leaves[2])
+        grads = torch.autograd.grad(out, leaves, g)
+        return out.detach(), grads
+
+    return call_bwd

@@ -1,0 +1,286 @@
+"""Run a list of cases against the peers and collect :class:`~attnkit.bench.report.Result` s.
+
+For each case and dtype the inputs are made once; for each pass every peer that can run it is
+prepared (masks built, nothing timed), then all are timed together, interleaved
+(:mod:`attnkit.bench.timing`); then errors are checked against the reference
+(:mod:`attnkit.bench.accuracy`) and, where asked, peak memory is measured in child processes
+(:mod:`attnkit.bench.memory`). A peer that cannot express a case, would exceed the memory
+budget, or fails, gets a row that says so; nothing stops the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .accuracy import Reference, errors, reference
+from .cases import Case
+from .flops import flops
+from .memory import measure_in_child
+from .peers import PEERS, SUBJECT, make_call
+from .report import Result
+from .timing import interleave
+from .workloads import dtype_of, make_workload
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class Settings:
+    """What to run. ``repeat=None`` uses ``default_repeat``, capped by each case's ``repeat``."""
+
+    suite: str
+    cases: List[Case]
+    dtypes: List[str]
+    passes: List[str]
+    peers: List[str]
+    repeat: Optional[int] = None
+    default_repeat: int = 3
+    memory: str = "auto"  # auto: cases marked memory=True; all; off
+    mem_budget_gib: float = 6.0
+    min_sample_s: float = 0.02
+    only: List[str] = field(default_factory=list)
+
+    def rounds(self, case: Case) -> int:
+        """Timed rounds for ``case``."""
+        if self.repeat is not None:
+            return self.repeat
+        return min(self.default_repeat, case.repeat or self.default_repeat)
+
+    def measure_memory(self, case: Case) -> bool:
+        """Whether peak memory is measured for ``case``."""
+        return self.memory == "all" or (self.memory == "auto" and case.memory)
+
+    def to_json(self) -> Dict[str, Any]:
+        """The ``settings`` entry of the report."""
+        return {"dtypes": self.dtypes, "passes": self.passes, "peers": self.peers,
+                "repeat": self.repeat, "default_repeat": self.default_repeat,
+                "memory": self.memory, "mem_budget_gib": self.mem_budget_gib,
+                "min_sample_s": self.min_sample_s, "only": self.only}
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def cpu_model() -> str:
+    """CPU model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info() -> Dict[str, Any]:
+    """The ``machine`` entry of the report."""
+    try:
+        import attnkit
+
+        version = getattr(attnkit, "__version__", "unknown")
+    except ImportError:
+        version = "unavailable"
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "platform": platform.platform(), "attnkit": version}
+
+
+def matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """GFLOP/s of an ``n x n`` matmul in ``dtype`` on this machine, now (best of ``reps``)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    a @ b  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n ** 3 / min(times) / 1e9
+
+
+# --------------------------------------------------------------------------- run
+
+
+Step = Callable[[str], None]
+
+
+def _fill_timing(r: Result, t: Any, peer_name: str, matmul: Dict[str, float]) -> None:
+    r.times_s = list(t.times.get(peer_name, []))
+    r.median_s = t.median_s(peer_name)
+    r.ratios = t.ratios(peer_name)
+    r.ratio_vs_attnkit = t.ratio(peer_name)
+    if r.median_s:
+        r.gflops = r.flops / r.median_s / 1e9
+        peak = matmul.get(r.dtype)
+        if peak:
+            r.pct_of_matmul = 100.0 * r.gflops / peak
+
+
+def _fill_errors(r: Result, ref: Reference, last: Any) -> None:
+    if last is None:
+        return
+    out, grads = (last if isinstance(last, tuple) else (last, None))
+    r.max_err, r.grad_err = errors(ref, out, grads)
+    r.reference = ref.label
+
+
+def run_case(case: Case, settings: Settings, matmul: Dict[str, float],
+             step: Optional[Step] = None, advance: Optional[Callable[[], None]] = None,
+             ) -> List[Result]:
+    """Every (dtype, pass, peer) result of one case."""
+    results: List[Result] = []
+    passes = [p for p in settings.passes if p in case.passes]
+    for dtype_name in settings.dtypes:
+        if case.dtypes is not None and dtype_name not in case.dtypes:
+            for pass_ in passes:
+                r = Result(case.name, pass_, dtype_name, SUBJECT, status="skipped",
+                           flops=flops(case, pass_))
+                r.add_note(f"case runs in {', '.join(case.dtypes)} only")
+                results.append(r)
+                if advance:
+                    advance()
+            continue
+        dtype = dtype_of(dtype_name)
+        w = make_workload(case, dtype)
+        ref: Optional[Reference] = None
+        ref_error: Optional[str] = None
+        for pass_ in passes:
+            label = f"{case.name} {dtype_name} {pass_}"
+            rows: Dict[str, Result] = {}
+            fns: Dict[str, Callable[[], Any]] = {}
+            for name in settings.peers:
+                peer = PEERS[name]
+                r = Result(case.name, pass_, dtype_name, name, flops=flops(case, pass_))
+                rows[name] = r
+                reasons = peer.supports(case, pass_)
+                need = peer.extra_bytes(case, pass_, dtype)
+                if case.peers is not None and name not in case.peers:
+                    r.status = "skipped"
+                    r.add_note(f"case runs {', '.join(case.peers)} only")
+                elif reasons:
+                    r.status = "unsupported"
+                    r.add_note("; ".join(reasons))
+                elif need > settings.mem_budget_gib * GIB:
+                    r.status = "skipped"
+                    r.add_note(f"OOM-risk: needs ~{need / GIB:.1f} GiB > budget "
+                               f"{settings.mem_budget_gib:g} GiB (--mem-budget)")
+                else:
+                    for remark in peer.remarks(case, pass_):
+                        r.add_note(remark)
+                    try:
+                        if step:
+                            step(f"{label}: preparing {name}")
+                        fns[name] = make_call(peer, w, pass_)
+                    except Exception as err:
+                        r.status = "error"
+                        r.add_note(f"prepare failed: {type(err).__name__}: {_short(err)}")
+            subject = SUBJECT if SUBJECT in fns else None
+            caps = {n: PEERS[n].max_rounds for n in fns if PEERS[n].max_rounds}
+            t = interleave(fns, subject=subject, rounds=settings.rounds(case),
+                           warmup=case.warmup, min_sample_s=settings.min_sample_s,
+                           max_rounds=caps,
+                           on_step=(lambda n, label=label: step(f"{label}: {n}")) if step
+                           else None)
+            if ref is None and ref_error is None and t.last:
+                if step:
+                    step(f"{label}: reference")
+                try:
+                    ref = reference(w, with_grads="fwd+bwd" in passes)
+                except Exception as err:  # errors stay unknown; say why
+                    ref_error = f"reference failed: {type(err).__name__}: {_short(err)}"
+            for name in fns:
+                r = rows[name]
+                if name in t.errors:
+                    r.status = "error"
+                    r.add_note(f"{type(t.errors[name]).__name__}: {_short(t.errors[name])}")
+                _fill_timing(r, t, name, matmul)
+                if ref is not None:
+                    _fill_errors(r, ref, t.last.get(name))
+                elif ref_error:
+                    r.add_note(ref_error)
+                if PEERS[name].compiled and name in t.first_call_s and r.median_s:
+                    r.compile_s = max(0.0, t.first_call_s[name] - r.median_s)
+                    r.add_note(f"compile {r.compile_s:.1f} s")
+            if subject is None and SUBJECT in settings.peers:
+                for r in rows.values():
+                    if r.status == "ok":
+                        r.add_note("no ratio: attnkit did not run")
+            t.last.clear()
+            gc.collect()
+            if settings.measure_memory(case):
+                for name, r in rows.items():
+                    if r.status != "ok":
+                        continue
+                    if step:
+                        step(f"{label}: peak memory of {name} (child process)")
+                    m = measure_in_child(case, dtype, pass_, name)
+                    r.peak_mib = m.peak_mib
+                    if m.error:
+                        r.add_note(f"memory: {m.error}")
+                    elif m.method != "rss-reset":
+                        r.add_note(f"memory: {m.method} (lower bound)")
+            results.extend(rows.values())
+            if advance:
+                advance()
+        w.release()
+        del w, ref
+        gc.collect()
+    return results
+
+
+def _short(err: BaseException, n: int = 160) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def count_steps(settings: Settings) -> int:
+    """Progress units: one per (case, dtype, pass)."""
+    n = 0
+    for case in settings.cases:
+        n += len(settings.dtypes) * len([p for p in settings.passes if p in case.passes])
+    return n
+
+
+def run(settings: Settings, *, step: Optional[Step] = None,
+        advance: Optional[Callable[[], None]] = None) -> Tuple[Dict[str, float], List[Result]]:
+    """Measure the matmul peaks, then run every case: ``(matmul_gflops, results)``."""
+    if step:
+        step("matmul peak (2048^3, float32 and bfloat16)")
+    names = ("float32", "bfloat16")
+    matmul = {name: matmul_gflops(dtype_of(name)) for name in names}
+    results: List[Result] = []
+    for case in settings.cases:
+        results.extend(run_case(case, settings, matmul, step=step, advance=advance))
+    if step:
+        step("matmul peak again (the peak is the better of the two)")
+    again = {name: matmul_gflops(dtype_of(name)) for name in names}
+    if any(again[n] > matmul[n] for n in names):
+        matmul = {n: max(matmul[n], again[n]) for n in names}
+        for r in results:
+            if r.gflops is not None and matmul.get(r.dtype):
+                r.pct_of_matmul = 100.0 * r.gflops / matmul[r.dtype]
+    return matmul, results
+
+
+def summary_lines(results: Sequence[Result]) -> List[str]:
+    """Geometric-mean ratio per peer over the cases where both ran (for the caption)."""
+    by_peer: Dict[str, List[float]] = {}
+    for r in results:
+        if r.peer != SUBJECT and r.ratio_vs_attnkit:
+            by_peer.setdefault(r.peer, []).append(r.ratio_vs_attnkit)
+    lines = []
+    for peer, rs in by_peer.items():
+        gm = math.exp(sum(math.log(x) for x in rs) / len(rs))
+        lines.append(f"{peer}: geometric-mean time ratio vs attnkit {gm:.2f}x over {len(rs)} rows")
+    return lines
