@@ -395,7 +395,6 @@ def build_spec(
             spec.block_mask = mask
         elif callable(mask):
             spec.mask_mod = mask
-            absorb_mask_structure(spec)
         else:
             raise TypeError(
                 f"mask must be a bool tensor, a mask_mod callable (b, h, q_idx, kv_idx) -> bool "
@@ -451,6 +450,8 @@ def build_spec(
                              f"{tuple(sinks.shape)}")
         spec.sinks = sinks
     _set_dropout(spec, dropout_p, seed, offset, dropout_mask, batch, full)
+    if spec.mask_mod is not None:
+        absorb_mask_structure(spec)  # last: it needs the final diagonal offsets
     return spec
 
 
