@@ -245,9 +245,10 @@ def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
         i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(k_lo, k_hi, device=dev).view(1, 1, 1, -1)
         row = spec.mask_mod(b, h, i, j)
-        if row.dtype != torch.bool:
+        if not isinstance(row, Tensor) or row.dtype != torch.bool:
             raise TypeError(f"mask_mod must return a bool tensor; {_name(spec.mask_mod)} "
-                            f"returned {row.dtype}")
+                            f"returned {getattr(row, 'dtype', type(row).__name__)}")
+        row = row.expand(*row.shape[:-2], q1 - q0, k_hi - k_lo)  # results may broadcast
         for kb in kbs:
             c0, c1 = kb * bk - k_lo, min(spec.lk, (kb + 1) * bk) - k_lo
             tile = row[..., c0:c1]
