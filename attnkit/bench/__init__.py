@@ -5,7 +5,8 @@ Usage (``python -m attnkit.bench`` takes the same options)::
 
     attnkit bench [--suite quick|standard|long] [--dtype float32,bfloat16] [--pass fwd,fwd+bwd]
                   [--only NAME,...] [--peers NAME,...] [--json PATH] [--plot PATH] [--repeat N]
-                  [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS] [--list]
+                  [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS]
+                  [--no-malloc-tune] [--list]
 
 Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about a minute on 2 cores, float32, no
 compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser`` (the ``attnkit bench`` subcommand calls this)."""
     parser.add_argument("--suite", choices=("quick", "standard", "long"), default="quick",
                         help="quick: ~1 min, small shapes (default); standard: the performance "
-                             "goals (~15 min); long: standard plus 32k-64k contexts")
+                             "goals (~20 min); long: standard plus 32k-64k contexts")
     parser.add_argument("--dtype", dest="dtypes", type=_csv, default=None, metavar="LIST",
                         help="comma-separated dtypes, e.g. float32,bfloat16 "
                              "(default: quick float32, others both)")
@@ -82,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                             "this (default 6 GiB)")
     parser.add_argument("--min-sample-ms", type=float, default=20.0, metavar="MS",
                         help="repeat small calls inside one sample to last at least this long")
+    parser.add_argument("--no-malloc-tune", dest="tune_malloc", action="store_false",
+                        help="leave glibc's malloc thresholds at their defaults (by default "
+                             "they are fixed, which removes a slow-first-calls transient)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     return parser
 
@@ -147,7 +151,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         suite=args.suite, cases=cases, dtypes=dtypes, passes=passes, peers=peers,
         repeat=args.repeat, default_repeat=defaults["repeat"], memory=args.memory,
         mem_budget_gib=args.mem_budget_gib, min_sample_s=args.min_sample_ms / 1e3,
-        only=list(args.only or []))
+        only=list(args.only or []), tune_malloc=getattr(args, "tune_malloc", True))
     doc, results = _run_with_progress(settings)
     if args.json:
         from .report import write_json

@@ -6,7 +6,12 @@ vocabulary they check it against. Adding a workload is adding a ``Case(...)`` to
 :data:`CATALOG`; adding a kind of workload (varlen, paged decode, dropout ...) is adding a
 field (or an ``extra`` key, which becomes a feature of the same name) and teaching the peers
 that can express it: peers that do not know a feature report it as "cannot express", so an
-unknown feature can never be silently ignored.
+unknown feature can never be silently ignored. For example, a dropout case is one line::
+
+    Case("dropout_4k", len_q=4096, causal=True, extra={"dropout_p": 0.1})
+
+and every peer reports "cannot express dropout_p" until its adapter reads
+``case.extra["dropout_p"]`` and lists ``"dropout_p"`` in its ``FEATURES``.
 
 Shape legend (the same for every peer)::
 
@@ -241,8 +246,8 @@ CATALOG: Tuple[Case, ...] = (
     Case("dqk192_512", heads_q=4, len_q=512, d_qk=192, d_v=128, causal=True, suites=_Q),
     Case("small_256", heads_q=8, len_q=256, suites=_Q + _S,
          note="small call: fixed overheads"),
-    Case("long_8k", heads_q=1, len_q=8192, causal=True, suites=_Q, repeat=1, warmup=False,
-         memory=True, note="memory check, quick size"),
+    Case("long_8k", heads_q=1, len_q=8192, causal=True, suites=_Q, repeat=2, memory=True,
+         note="memory check, quick size"),
     # ---- standard (issue 5's goals): B=1, H=8, d=64
     Case("dense_4k", len_q=4096, suites=_S),
     Case("causal_4k", len_q=4096, causal=True, suites=_S),

@@ -225,8 +225,10 @@ class Sdpa(Peer):
             n += per_head  # bool mask
         if case.alibi:
             n += case.heads_q * per_head * _elem(dtype)
-        if case.relative_bias:
-            n += 3 * case.heads_q * per_head * 4  # gather, where, cast
+        if case.relative_bias:  # int64 index, then gather and where in float32, then cast
+            n += per_head * 8 + 2 * case.heads_q * per_head * 4
+            if dtype != torch.float32:
+                n += case.heads_q * per_head * _elem(dtype)
         math_path = case.dv != case.d_qk or (case.relative_bias and pass_ == "fwd+bwd")
         if math_path:  # torch falls back to its dense math kernel
             n += (3 if pass_ == "fwd" else 6) * pairs * 4

@@ -11,8 +11,9 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
                   "python": str, "platform": str, "attnkit": str},
       "matmul_gflops": {"float32": float, "bfloat16": float},   # 2048^3 matmul, same run
       "settings": {"dtypes": [str], "passes": [str], "peers": [str], "repeat": int|null,
-                   "memory": "auto"|"all"|"off", "mem_budget_gib": float,
-                   "min_sample_s": float},
+                   "default_repeat": int, "memory": "auto"|"all"|"off",
+                   "mem_budget_gib": float, "min_sample_s": float, "only": [str],
+                   "malloc": {"mmap_threshold": int, "trim_threshold": int}|null},
       "cases": [ {name, batch, heads_q, heads_kv, len_q, len_kv, d_qk, d_v, causal, diagonal,
                   window, documents, prefix, alibi, softcap, relative_bias, extra, features,
                   visible_pairs, visible_fraction, note} ],
@@ -30,6 +31,7 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
           "grad_err": float|null,          # max |grad - ref grad| (fwd+bwd only)
           "reference": str|null,           # what max_err is measured against
           "compile_s": float|null,         # compiled peers: first call minus median call
+                                           # (small when torch's compile caches are warm)
           "flops": float,                  # FLOPs of one call
           "note": str                      # why unsupported/skipped, errors, remarks
       } ]
@@ -84,6 +86,12 @@ class Result:
     def add_note(self, text: str) -> None:
         """Append ``text`` to the note."""
         self.note = f"{self.note}; {text}" if self.note else text
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> Result:
+        """Rebuild a result from its JSON record (e.g. to re-plot a saved run)."""
+        fields = {k: v for k, v in d.items() if k in RESULT_KEYS and k != "pass"}
+        return cls(pass_=d["pass"], **fields)
 
     def to_json(self) -> Dict[str, Any]:
         """The JSON record (``pass_`` spelled ``pass``; non-finite numbers as null)."""
@@ -246,7 +254,10 @@ def plot_available() -> Optional[str]:
 
 
 def plot(results: Sequence[Result], path: str, title: str = "attnkit bench") -> None:
-    """Grouped bars: median time per case, one bar per peer, one panel per (pass, dtype)."""
+    """Grouped bars: median time per case, one bar per peer, one panel per (pass, dtype).
+
+    A peer that did not run a case (unsupported, skipped, failed) gets an ``x`` at the foot.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,15 +278,23 @@ def plot(results: Sequence[Result], path: str, title: str = "attnkit bench") -> 
         for r in rs:
             if r.case not in cases:
                 cases.append(r.case)
+        missing = []
         for pi, peer in enumerate(peers):
             xs, ys = [], []
             for ci, case in enumerate(cases):
+                x = ci + (pi - (len(peers) - 1) / 2) * width
                 for r in rs:
-                    if r.case == case and r.peer == peer and r.median_s is not None:
-                        xs.append(ci + (pi - (len(peers) - 1) / 2) * width)
-                        ys.append(r.median_s * 1e3)
-            ax.bar(xs, ys, width=width, label=peer)
+                    if r.case == case and r.peer == peer:
+                        if r.median_s is not None:
+                            xs.append(x)
+                            ys.append(r.median_s * 1e3)
+                        else:
+                            missing.append(x)
+            ax.bar(xs, ys, width=width, label=peer, color=f"C{pi}")
         ax.set_yscale("log")
+        for x in missing:  # not run: unsupported, skipped or failed (see the table)
+            ax.annotate("x", (x, 0), xycoords=("data", "axes fraction"), ha="center",
+                        va="bottom", fontsize=8, color="0.4")
         ax.set_ylabel("median ms (log)")
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)

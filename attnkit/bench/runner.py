@@ -28,7 +28,7 @@ from .memory import measure_in_child
 from .peers import PEERS, SUBJECT, make_call
 from .report import Result
 from .timing import interleave
-from .workloads import dtype_of, make_workload
+from .workloads import dtype_name, dtype_of, make_workload
 
 GIB = float(1 << 30)
 
@@ -48,6 +48,8 @@ class Settings:
     mem_budget_gib: float = 6.0
     min_sample_s: float = 0.02
     only: List[str] = field(default_factory=list)
+    tune_malloc: bool = True
+    malloc: Optional[Dict[str, int]] = None  # what tune_malloc() applied
 
     def rounds(self, case: Case) -> int:
         """Timed rounds for ``case``."""
@@ -64,7 +66,8 @@ class Settings:
         return {"dtypes": self.dtypes, "passes": self.passes, "peers": self.peers,
                 "repeat": self.repeat, "default_repeat": self.default_repeat,
                 "memory": self.memory, "mem_budget_gib": self.mem_budget_gib,
-                "min_sample_s": self.min_sample_s, "only": self.only}
+                "min_sample_s": self.min_sample_s, "only": self.only,
+                "malloc": self.malloc}
 
 
 # --------------------------------------------------------------------------- machine
@@ -109,6 +112,40 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n ** 3 / min(times) / 1e9
 
 
+# Fixed glibc malloc thresholds for the timing process (see tune_malloc).
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
+
+
+def tune_malloc() -> Optional[Dict[str, int]]:
+    """Fix glibc's mmap and trim thresholds in this process; None where that is impossible.
+
+    With glibc's default dynamic thresholds, the first calls of a kernel that allocates and
+    frees many large blocks can be far slower than later ones (measured on a 2-core VM: torch
+    SDPA's CPU backward at L = 8192 took 15 s for three calls, then 0.18 s). Fixed thresholds
+    (blocks below 32 MiB from the heap, up to 1 GiB of freed memory kept) remove that
+    transient for every peer alike; the steady state is what is timed either way.
+    ``--no-malloc-tune`` leaves the allocator alone.
+    """
+    try:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return None
+    if mallopt is None:
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = mallopt(m_mmap_threshold, ctypes.c_int(MMAP_THRESHOLD))
+    ok &= mallopt(m_trim_threshold, ctypes.c_int(TRIM_THRESHOLD))
+    if not ok:
+        return None
+    return {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -135,107 +172,123 @@ def _fill_errors(r: Result, ref: Reference, last: Any) -> None:
     r.reference = ref.label
 
 
+def _prepare(case: Case, pass_: str, w: Any, settings: Settings, step: Optional[Step],
+             ) -> Tuple[Dict[str, Result], Dict[str, Callable[[], Any]]]:
+    """A result row per peer, and the timed callable of each peer that can run."""
+    rows: Dict[str, Result] = {}
+    fns: Dict[str, Callable[[], Any]] = {}
+    for name in settings.peers:
+        peer = PEERS[name]
+        r = rows[name] = Result(case.name, pass_, dtype_name(w.dtype), name,
+                                flops=flops(case, pass_))
+        reasons = peer.supports(case, pass_)
+        need = peer.extra_bytes(case, pass_, w.dtype)
+        if case.peers is not None and name not in case.peers:
+            r.status = "skipped"
+            r.add_note(f"case runs {', '.join(case.peers)} only")
+        elif reasons:
+            r.status = "unsupported"
+            r.add_note("; ".join(reasons))
+        elif need > settings.mem_budget_gib * GIB:
+            r.status = "skipped"
+            r.add_note(f"OOM-risk: needs ~{need / GIB:.1f} GiB > budget "
+                       f"{settings.mem_budget_gib:g} GiB (--mem-budget)")
+        else:
+            for remark in peer.remarks(case, pass_):
+                r.add_note(remark)
+            try:
+                if step:
+                    step(f"{case.name} {r.dtype} {pass_}: preparing {name}")
+                fns[name] = make_call(peer, w, pass_)
+            except Exception as err:
+                r.status = "error"
+                r.add_note(f"prepare failed: {type(err).__name__}: {_short(err)}")
+    return rows, fns
+
+
+def _measure_memory(case: Case, pass_: str, dtype: Any, rows: Dict[str, Result],
+                    step: Optional[Step]) -> None:
+    for name, r in rows.items():
+        if r.status != "ok":
+            continue
+        if step:
+            step(f"{case.name} {r.dtype} {pass_}: peak memory of {name} (child process)")
+        m = measure_in_child(case, dtype, pass_, name)
+        r.peak_mib = m.peak_mib
+        if m.error:
+            r.add_note(f"memory: {m.error}")
+        elif m.method != "rss-reset":
+            r.add_note(f"memory: {m.method} (lower bound)")
+
+
 def run_case(case: Case, settings: Settings, matmul: Dict[str, float],
              step: Optional[Step] = None, advance: Optional[Callable[[], None]] = None,
              ) -> List[Result]:
     """Every (dtype, pass, peer) result of one case."""
     results: List[Result] = []
     passes = [p for p in settings.passes if p in case.passes]
-    for dtype_name in settings.dtypes:
-        if case.dtypes is not None and dtype_name not in case.dtypes:
+    for name in settings.dtypes:
+        if case.dtypes is not None and name not in case.dtypes:
             for pass_ in passes:
-                r = Result(case.name, pass_, dtype_name, SUBJECT, status="skipped",
+                r = Result(case.name, pass_, name, SUBJECT, status="skipped",
                            flops=flops(case, pass_))
                 r.add_note(f"case runs in {', '.join(case.dtypes)} only")
                 results.append(r)
                 if advance:
                     advance()
             continue
-        dtype = dtype_of(dtype_name)
-        w = make_workload(case, dtype)
-        ref: Optional[Reference] = None
-        ref_error: Optional[str] = None
-        for pass_ in passes:
-            label = f"{case.name} {dtype_name} {pass_}"
-            rows: Dict[str, Result] = {}
-            fns: Dict[str, Callable[[], Any]] = {}
-            for name in settings.peers:
-                peer = PEERS[name]
-                r = Result(case.name, pass_, dtype_name, name, flops=flops(case, pass_))
-                rows[name] = r
-                reasons = peer.supports(case, pass_)
-                need = peer.extra_bytes(case, pass_, dtype)
-                if case.peers is not None and name not in case.peers:
-                    r.status = "skipped"
-                    r.add_note(f"case runs {', '.join(case.peers)} only")
-                elif reasons:
-                    r.status = "unsupported"
-                    r.add_note("; ".join(reasons))
-                elif need > settings.mem_budget_gib * GIB:
-                    r.status = "skipped"
-                    r.add_note(f"OOM-risk: needs ~{need / GIB:.1f} GiB > budget "
-                               f"{settings.mem_budget_gib:g} GiB (--mem-budget)")
-                else:
-                    for remark in peer.remarks(case, pass_):
-                        r.add_note(remark)
-                    try:
-                        if step:
-                            step(f"{label}: preparing {name}")
-                        fns[name] = make_call(peer, w, pass_)
-                    except Exception as err:
-                        r.status = "error"
-                        r.add_note(f"prepare failed: {type(err).__name__}: {_short(err)}")
-            subject = SUBJECT if SUBJECT in fns else None
-            caps = {n: PEERS[n].max_rounds for n in fns if PEERS[n].max_rounds}
-            t = interleave(fns, subject=subject, rounds=settings.rounds(case),
-                           warmup=case.warmup, min_sample_s=settings.min_sample_s,
-                           max_rounds=caps,
-                           on_step=(lambda n, label=label: step(f"{label}: {n}")) if step
-                           else None)
-            if ref is None and ref_error is None and t.last:
-                if step:
-                    step(f"{label}: reference")
-                try:
-                    ref = reference(w, with_grads="fwd+bwd" in passes)
-                except Exception as err:  # errors stay unknown; say why
-                    ref_error = f"reference failed: {type(err).__name__}: {_short(err)}"
-            for name in fns:
-                r = rows[name]
-                if name in t.errors:
-                    r.status = "error"
-                    r.add_note(f"{type(t.errors[name]).__name__}: {_short(t.errors[name])}")
-                _fill_timing(r, t, name, matmul)
-                if ref is not None:
-                    _fill_errors(r, ref, t.last.get(name))
-                elif ref_error:
-                    r.add_note(ref_error)
-                if PEERS[name].compiled and name in t.first_call_s and r.median_s:
-                    r.compile_s = max(0.0, t.first_call_s[name] - r.median_s)
-                    r.add_note(f"compile {r.compile_s:.1f} s")
-            if subject is None and SUBJECT in settings.peers:
-                for r in rows.values():
-                    if r.status == "ok":
-                        r.add_note("no ratio: attnkit did not run")
-            t.last.clear()
-            gc.collect()
-            if settings.measure_memory(case):
-                for name, r in rows.items():
-                    if r.status != "ok":
-                        continue
-                    if step:
-                        step(f"{label}: peak memory of {name} (child process)")
-                    m = measure_in_child(case, dtype, pass_, name)
-                    r.peak_mib = m.peak_mib
-                    if m.error:
-                        r.add_note(f"memory: {m.error}")
-                    elif m.method != "rss-reset":
-                        r.add_note(f"memory: {m.method} (lower bound)")
-            results.extend(rows.values())
-            if advance:
-                advance()
-        w.release()
-        del w, ref
+        results += _run_dtype(case, dtype_of(name), passes, settings, matmul, step, advance)
         gc.collect()
+    return results
+
+
+def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Settings,
+               matmul: Dict[str, float], step: Optional[Step],
+               advance: Optional[Callable[[], None]]) -> List[Result]:
+    w = make_workload(case, dtype)
+    ref: Optional[Reference] = None
+    ref_error: Optional[str] = None
+    results: List[Result] = []
+    for pass_ in passes:
+        label = f"{case.name} {dtype_name(dtype)} {pass_}"
+        rows, fns = _prepare(case, pass_, w, settings, step)
+        subject = SUBJECT if SUBJECT in fns else None
+        t = interleave(fns, subject=subject, rounds=settings.rounds(case), warmup=case.warmup,
+                       min_sample_s=settings.min_sample_s,
+                       max_rounds={n: PEERS[n].max_rounds for n in fns if PEERS[n].max_rounds},
+                       on_step=(lambda n, label=label: step(f"{label}: {n}")) if step else None)
+        if ref is None and ref_error is None and t.last:
+            if step:
+                step(f"{label}: reference")
+            try:
+                ref = reference(w, with_grads="fwd+bwd" in passes)
+            except Exception as err:  # errors stay unknown; say why
+                ref_error = f"reference failed: {type(err).__name__}: {_short(err)}"
+        for name in fns:
+            r = rows[name]
+            if name in t.errors:
+                r.status = "error"
+                r.add_note(f"{type(t.errors[name]).__name__}: {_short(t.errors[name])}")
+            _fill_timing(r, t, name, matmul)
+            if ref is not None:
+                _fill_errors(r, ref, t.last.get(name))
+            elif ref_error:
+                r.add_note(ref_error)
+            if PEERS[name].compiled and name in t.first_call_s and r.median_s:
+                r.compile_s = max(0.0, t.first_call_s[name] - r.median_s)
+                r.add_note(f"compile {r.compile_s:.1f} s")
+        if subject is None and SUBJECT in settings.peers:
+            for r in rows.values():
+                if r.status == "ok":
+                    r.add_note("no ratio: attnkit did not run")
+        t.last.clear()
+        gc.collect()
+        if settings.measure_memory(case):
+            _measure_memory(case, pass_, dtype, rows, step)
+        results.extend(rows.values())
+        if advance:
+            advance()
+    w.release()
     return results
 
 
@@ -255,6 +308,8 @@ def count_steps(settings: Settings) -> int:
 def run(settings: Settings, *, step: Optional[Step] = None,
         advance: Optional[Callable[[], None]] = None) -> Tuple[Dict[str, float], List[Result]]:
     """Measure the matmul peaks, then run every case: ``(matmul_gflops, results)``."""
+    if settings.tune_malloc:
+        settings.malloc = tune_malloc()
     if step:
         step("matmul peak (2048^3, float32 and bfloat16)")
     names = ("float32", "bfloat16")

@@ -146,8 +146,8 @@ def interleave(
                 probe = run(name, 1)
                 if probe is None:
                     continue
-            t.inner[name] = int(min(max_inner, max(1, math.ceil(min_sample_s / max(probe,
-                                                                                    1e-9)))))
+            want = math.ceil(min_sample_s / max(probe, 1e-9))
+            t.inner[name] = int(min(max_inner, max(1, want)))
         t.times[name] = []
 
     caps = max_rounds or {}

@@ -1,0 +1,377 @@
+"""Tests of ``attnkit.bench``: FLOP counting, ratio bookkeeping, JSON schema, a smoke run of
+every peer on tiny cases, the memory probe and the CLI. No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from attnkit.bench import add_arguments, run_from_args
+from attnkit.bench import report as rep
+from attnkit.bench.accuracy import errors, reference
+from attnkit.bench.cases import CATALOG, Case, select
+from attnkit.bench.flops import (
+    count_dense,
+    dense_visibility,
+    flops,
+    forward_flops,
+    visible_pairs,
+    visible_per_head,
+)
+from attnkit.bench.memory import measure_in_child
+from attnkit.bench.peers import PEERS, make_call
+from attnkit.bench.runner import Settings, run_case
+from attnkit.bench.timing import bracketed_ratios, interleave
+from attnkit.bench.workloads import make_workload
+
+# --------------------------------------------------------------------------- FLOP counting
+
+
+def brute_force_visible(case: Case) -> torch.Tensor:
+    """(Lq, Lk) visibility written straight from the definitions, pair by pair."""
+    lq, lk = case.len_q, case.lk
+    off = lk - lq if case.diagonal == "bottom_right" else 0
+    doc = []
+    for n, length in enumerate(case.doc_lengths()):
+        doc += [n] * length
+    vis = torch.zeros(lq, lk, dtype=torch.bool)
+    for i in range(lq):
+        for j in range(lk):
+            ok = True
+            if case.causal:
+                ok = ok and j <= i + off
+            if case.window is not None:
+                left, right = case.window
+                ok = ok and (left is None or j >= i + off - left)
+                ok = ok and (right is None or j <= i + off + right)
+            if case.documents:
+                ok = ok and doc[i] == doc[j]
+            if case.prefix:
+                ok = j <= i or j < case.prefix
+            vis[i, j] = ok
+    return vis
+
+
+MASK_CASES = [
+    Case("full", heads_q=3, len_q=37, len_kv=53),
+    Case("causal_tl", heads_q=2, len_q=41, causal=True),
+    Case("causal_tl_rect", len_q=29, len_kv=47, causal=True),
+    Case("causal_br_short_q", len_q=13, len_kv=50, causal=True, diagonal="bottom_right"),
+    Case("causal_br_long_q", len_q=50, len_kv=13, causal=True, diagonal="bottom_right"),
+    Case("window_causal", len_q=61, causal=True, window=(7, 0)),
+    Case("window_two_sided", len_q=45, len_kv=52, window=(5, 3)),
+    Case("window_left_only", len_q=40, window=(9, None)),
+    Case("window_br", len_q=20, len_kv=57, causal=True, window=(6, 0), diagonal="bottom_right"),
+    Case("documents_causal", len_q=77, causal=True, documents=5),
+    Case("documents_bidir", len_q=64, documents=3, seed=3),
+    Case("documents_window", len_q=70, causal=True, documents=4, window=(5, 0)),
+    Case("prefix_lm", len_q=49, prefix=11),
+    Case("prefix_lm_past_end", len_q=9, prefix=20),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=lambda c: c.name)
+def test_visible_pairs_match_dense_count(case: Case) -> None:
+    vis = brute_force_visible(case)
+    assert torch.equal(dense_visibility(case), vis)
+    assert visible_per_head(case) == count_dense(vis)
+    assert visible_pairs(case) == case.batch * case.heads_q * count_dense(vis)
+
+
+def test_flop_formulas() -> None:
+    c = Case("c", batch=2, heads_q=4, heads_kv=2, len_q=33, causal=True, d_qk=16)
+    vis = count_dense(brute_force_visible(c))
+    assert forward_flops(c) == 4 * 2 * 4 * vis * 16
+    assert flops(c, "fwd+bwd") == pytest.approx(3.5 * flops(c, "fwd"))
+    mla = Case("m", len_q=20, d_qk=192, d_v=128)
+    assert forward_flops(mla) == 2 * 8 * 20 * 20 * (192 + 128)
+    with pytest.raises(ValueError):
+        flops(c, "bwd")
+
+
+def test_document_lengths_are_seeded_and_cover_the_sequence() -> None:
+    c = Case("d", len_q=8192, documents=8)
+    lengths = c.doc_lengths()
+    assert len(lengths) == 8 and sum(lengths) == 8192 and min(lengths) >= 1
+    assert lengths == Case("d2", len_q=8192, documents=8).doc_lengths()
+
+
+def test_catalog_is_consistent() -> None:
+    names = [c.name for c in CATALOG]
+    assert len(names) == len(set(names))
+    standard = {c.name for c in select("standard")}
+    # issue 5's goals
+    for name in ("dense_4k", "causal_4k", "window_8k", "document_8k", "alibi_8k",
+                 "relbias_8k", "softcap_8k", "small_256", "long_32k"):
+        assert name in standard
+    assert {c.name for c in select("standard")} <= {c.name for c in select("long")}
+    assert select("quick", ["long_32k"])[0].name == "long_32k"
+    with pytest.raises(ValueError, match="unknown case"):
+        select("quick", ["nope"])
+    with pytest.raises(ValueError):
+        Case("bad", len_q=10, prefix=3, causal=True)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def test_bracketed_ratios_cancel_drift() -> None:
+    # the machine slows down 10% per step; the peer is always 2x the subject
+    subject = [1.0 * 1.1 ** (2 * r) for r in range(4)]
+    peer = [2.0 * 1.1 ** (2 * r + 1) for r in range(3)]
+    assert bracketed_ratios(subject, peer) == pytest.approx([2.0, 2.0, 2.0])
+    # the ratio of medians would be off
+    assert sorted(peer)[1] / sorted(subject)[1] != pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        bracketed_ratios([1.0], [1.0, 1.0, 1.0])
+
+
+class FakeMachine:
+    """A clock that advances by each call's cost times a drift that grows every call."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: list = []
+        self.drift = 1.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def fn(self, name: str, cost: float, fail_after: int = -1):
+        def call():
+            self.calls.append(name)
+            if fail_after >= 0 and self.calls.count(name) > fail_after:
+                raise RuntimeError(f"{name} broke")
+            self.now += cost * self.drift
+            self.drift *= 1.01
+            return name
+
+        return call
+
+
+def test_interleave_schedule_and_ratios() -> None:
+    m = FakeMachine()
+    fns = {"peer": m.fn("peer", 0.9), "attnkit": m.fn("attnkit", 0.3)}
+    t = interleave(fns, subject="attnkit", rounds=3, min_sample_s=0.02, clock=m.clock)
+    # warm-up: subject first, each once (no calibration call: each takes > 10 x min_sample)
+    assert m.calls[:2] == ["attnkit", "peer"]
+    assert m.calls[2:] == ["attnkit", "peer"] * 3 + ["attnkit"]
+    assert len(t.times["attnkit"]) == 4 and len(t.times["peer"]) == 3
+    assert t.ratio("attnkit") == 1.0
+    # drift of 1% per call: the bracketed ratio stays within 0.1% of the true 3.0
+    assert t.ratio("peer") == pytest.approx(3.0, rel=1e-3)
+    assert len(t.ratios("peer")) == 3
+    assert t.last == {"attnkit": "attnkit", "peer": "peer"}
+
+
+def test_interleave_calibrates_small_calls_and_survives_a_failing_peer() -> None:
+    m = FakeMachine()
+    fns = {"attnkit": m.fn("attnkit", 0.001), "bad": m.fn("bad", 0.01, fail_after=3),
+           "ok": m.fn("ok", 0.05)}
+    t = interleave(fns, subject="attnkit", rounds=2, min_sample_s=0.02, clock=m.clock)
+    assert t.inner["attnkit"] == 20 or t.inner["attnkit"] == 19  # ceil(0.02 / ~0.001)
+    assert t.inner["ok"] == 1
+    assert isinstance(t.errors["bad"], RuntimeError)
+    assert "bad" not in t.last and t.median_s("ok") is not None
+    assert len(t.times["ok"]) == 2 and len(t.times["attnkit"]) == 3
+
+
+def test_interleave_without_subject_or_warmup() -> None:
+    m = FakeMachine()
+    t = interleave({"a": m.fn("a", 0.1), "b": m.fn("b", 0.1)}, subject=None, rounds=2,
+                   warmup=False, clock=m.clock)
+    assert m.calls == ["a", "b", "a", "b"]
+    assert t.ratio("a") is None and t.first_call_s["a"] == t.times["a"][0]
+
+
+# --------------------------------------------------------------------------- peers
+
+
+TINY = {
+    "dense": Case("t_dense", batch=2, heads_q=2, len_q=37, len_kv=45, d_qk=16),
+    "causal_br": Case("t_br", heads_q=2, len_q=19, len_kv=51, d_qk=16, causal=True,
+                      diagonal="bottom_right"),
+    "window": Case("t_window", heads_q=2, len_q=64, d_qk=16, causal=True, window=(9, 0)),
+    "documents": Case("t_docs", heads_q=2, len_q=70, d_qk=16, causal=True, documents=4),
+    "prefix": Case("t_prefix", heads_q=2, len_q=50, d_qk=16, prefix=13),
+    "gqa": Case("t_gqa", heads_q=8, heads_kv=2, len_q=40, d_qk=16, causal=True),
+    "alibi": Case("t_alibi", heads_q=4, len_q=48, d_qk=16, causal=True, alibi=True),
+    "softcap": Case("t_softcap", heads_q=2, len_q=48, d_qk=16, causal=True, softcap=2.0),
+    "relbias": Case("t_relbias", heads_q=2, len_q=33, len_kv=41, d_qk=16, causal=True,
+                    diagonal="bottom_right", relative_bias=True),
+    "d_v": Case("t_dv", heads_q=2, len_q=40, d_qk=24, d_v=16, causal=True),
+}
+RUN_COMPILED = os.environ.get("ATTNKIT_BENCH_COMPILE") == "1"
+
+
+def _smoke(peer_name: str, case: Case, pass_: str) -> None:
+    peer = PEERS[peer_name]
+    if peer.supports(case, pass_):
+        pytest.skip(f"{peer_name} cannot run {case.name} {pass_}: {peer.supports(case, pass_)}")
+    w = make_workload(case, torch.float32)
+    result = make_call(peer, w, pass_)()
+    out, grads = result if isinstance(result, tuple) else (result, None)
+    assert out.shape == (case.batch, case.heads_q, case.len_q, case.dv)
+    ref = reference(w, with_grads=pass_ == "fwd+bwd")
+    assert ref.kind == "float64"
+    max_err, grad_err = errors(ref, out, grads)
+    assert max_err < 1e-4, f"{peer_name} on {case.name}: output error {max_err}"
+    if grads is not None:
+        assert len(grads) == 3 + case.relative_bias
+        assert grad_err is not None and grad_err < 1e-3, f"gradient error {grad_err}"
+
+
+@pytest.mark.parametrize("feature", list(TINY))
+@pytest.mark.parametrize("peer_name", ["attnkit", "sdpa", "flex", "naive"])
+def test_peer_smoke_forward(peer_name: str, feature: str) -> None:
+    _smoke(peer_name, TINY[feature], "fwd")
+
+
+@pytest.mark.parametrize("feature", ["documents", "alibi", "relbias", "softcap", "gqa"])
+@pytest.mark.parametrize("peer_name", ["attnkit", "sdpa", "naive"])
+def test_peer_smoke_backward(peer_name: str, feature: str) -> None:
+    _smoke(peer_name, TINY[feature], "fwd+bwd")
+
+
+@pytest.mark.skipif(not RUN_COMPILED, reason="torch.compile of FlexAttention takes 15-25 s "
+                                             "cold; set ATTNKIT_BENCH_COMPILE=1 to run")
+def test_flex_compiled_smoke() -> None:
+    _smoke("flex_compiled", TINY["documents"], "fwd")
+
+
+def test_supports_lists_reasons() -> None:
+    softcap = TINY["softcap"]
+    assert PEERS["sdpa"].supports(softcap, "fwd") == ["cannot express softcap"]
+    assert PEERS["flex"].supports(TINY["dense"], "fwd") == []
+    assert "no CPU backward" in PEERS["flex_compiled"].supports(TINY["dense"], "fwd+bwd")[0]
+    assert PEERS["sdpa"].remarks(TINY["documents"], "fwd") == ["dense bool mask"]
+    assert "torch uses its math kernel" in PEERS["sdpa"].remarks(TINY["relbias"], "fwd+bwd")
+    # a feature added to the catalog later is refused by every peer, never ignored
+    future = Case("future", len_q=16, extra={"dropout_p": 0.1})
+    for peer in PEERS.values():
+        assert "cannot express dropout_p" in peer.supports(future, "fwd")
+
+
+def test_reference_matches_dense_row_slice() -> None:
+    """The float32 row-slice reference of large cases agrees with the float64 oracle."""
+    from attnkit.bench import accuracy
+
+    case = TINY["relbias"]
+    w = make_workload(case, torch.float32)
+    full = accuracy._full_reference(w, with_grads=True)
+    rows = accuracy._rows_reference(w, with_grads=True)
+    n = rows.rows.stop
+    assert torch.allclose(rows.out.double(), full.out[:, :, :n], atol=1e-5)
+    assert torch.allclose(rows.grads["q"].double(), full.grads["q"][:, :, :n], atol=1e-5)
+
+
+# --------------------------------------------------------------------------- runner, JSON
+
+
+def _tiny_settings(**kw) -> Settings:
+    base = dict(suite="custom", cases=[], dtypes=["float32"], passes=["fwd", "fwd+bwd"],
+                peers=["attnkit", "sdpa", "flex", "flex_compiled", "naive"], repeat=2,
+                memory="off", min_sample_s=0.001)
+    base.update(kw)
+    return Settings(**base)
+
+
+def test_json_schema_of_a_tiny_run(tmp_path) -> None:
+    case = TINY["softcap"]
+    settings = _tiny_settings(cases=[case], peers=["attnkit", "sdpa", "flex", "naive"])
+    matmul = {"float32": 100.0, "bfloat16": 400.0}
+    results = run_case(case, settings, matmul)
+    by = {(r.pass_, r.peer): r for r in results}
+    assert len(results) == 8
+    assert by[("fwd", "sdpa")].status == "unsupported"
+    assert by[("fwd+bwd", "flex")].status == "unsupported"
+    for key in [("fwd", "attnkit"), ("fwd", "flex"), ("fwd", "naive"), ("fwd+bwd", "attnkit"),
+                ("fwd+bwd", "naive")]:
+        r = by[key]
+        assert r.status == "ok", r.note
+        assert r.median_s > 0 and len(r.times_s) == 3 - (r.peer != "attnkit")
+        assert r.gflops == pytest.approx(r.flops / r.median_s / 1e9)
+        assert r.pct_of_matmul == pytest.approx(r.gflops)  # matmul peak 100 GFLOP/s
+        assert r.max_err < 1e-4
+    assert by[("fwd", "attnkit")].ratio_vs_attnkit == 1.0
+    assert by[("fwd+bwd", "naive")].grad_err < 1e-3
+    assert len(by[("fwd", "naive")].ratios) == 2
+    doc = rep.build_report(suite="custom", created="now", wall_s=1.0,
+                           machine={k: "x" for k in rep.MACHINE_KEYS}, matmul_gflops=matmul,
+                           settings=settings.to_json(), cases=[case.describe()],
+                           results=results)
+    assert rep.validate(doc) == []
+    path = str(tmp_path / "bench.json")
+    rep.write_json(doc, path)
+    back = json.load(open(path))
+    assert rep.validate(back) == []
+    assert set(back["results"][0]) == set(rep.RESULT_KEYS)
+    assert back["cases"][0]["visible_pairs"] == visible_pairs(case)
+    bad = dict(back, results=[dict(back["results"][0], status="weird")])
+    assert rep.validate(bad)
+    again = [rep.Result.from_json(d) for d in back["results"]]
+    assert [a.to_json() for a in again] == back["results"]
+
+
+def test_non_finite_errors_become_null_in_json() -> None:
+    r = rep.Result("c", "fwd", "float32", "naive", median_s=1.0, max_err=math.inf)
+    d = r.to_json()
+    assert d["max_err"] is None and "non-finite" in d["note"]
+    json.dumps(d, allow_nan=False)
+
+
+def test_memory_budget_skips_and_errors_are_marked() -> None:
+    case = TINY["dense"]
+    settings = _tiny_settings(cases=[case], passes=["fwd"], peers=["attnkit", "flex", "naive"],
+                              mem_budget_gib=1e-6)
+    results = {r.peer: r for r in run_case(case, settings, {"float32": 1.0})}
+    assert results["flex"].status == "skipped" and "OOM-risk" in results["flex"].note
+    assert results["naive"].status == "skipped"
+    assert results["attnkit"].status == "ok"
+
+
+def test_peak_memory_child_sees_torch_allocations() -> None:
+    # naive materialises 4 x 512 x 2048 float32 scores (16 MiB) several times over
+    case = Case("mem", heads_q=4, len_q=512, len_kv=2048, d_qk=16)
+    m = measure_in_child(case, torch.float32, "fwd", "naive", timeout_s=120)
+    assert m.error is None, m.error
+    assert m.peak_mib is not None and m.peak_mib > 16
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_cli_runs_and_writes_json_and_plot(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    path, png = str(tmp_path / "b.json"), str(tmp_path / "b.png")
+    args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "sdpa,attnkit",
+                  "--repeat", "1", "--no-memory", "--no-malloc-tune", "--json", path,
+                  "--plot", png)
+    assert run_from_args(args) == 0
+    doc = json.load(open(path))
+    assert rep.validate(doc) == []
+    assert [r["peer"] for r in doc["results"]] == ["attnkit", "sdpa"]
+    assert doc["matmul_gflops"]["float32"] > 0 and doc["machine"]["threads"] >= 1
+    assert doc["settings"]["malloc"] is None  # --no-malloc-tune: this process is left alone
+    assert os.path.getsize(png) > 0
+    out = capsys.readouterr().out
+    assert "small_256" in out and "ratio vs attnkit" in out
+
+
+def test_cli_errors(monkeypatch, capsys) -> None:
+    assert run_from_args(_parse("--only", "no_such_case")) == 2
+    assert run_from_args(_parse("--peers", "nobody")) == 2
+    assert run_from_args(_parse("--dtype", "int8")) == 2
+    monkeypatch.setattr(rep, "plot_available", lambda: "--plot needs matplotlib")
+    assert run_from_args(_parse("--only", "small_256", "--plot", "x.png")) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+    assert run_from_args(_parse("--list")) == 0
