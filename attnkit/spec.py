@@ -201,6 +201,8 @@ def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor):
         raise ValueError(
             f"q has {hq} heads and k has {hkv}; the number of query heads must be a multiple "
             f"of the number of key/value heads (grouped-query attention)")
+    if q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]:
+        return q, k, v, (q.shape[0],), squeeze  # already canonical (the common case)
     batch = _broadcast_batch([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
     n = math.prod(batch)
 

@@ -123,9 +123,11 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
         if has_additive_terms(spec):  # keep the additive-mask tile bounded
             rows = spec.n * spec.hq * max(spec.lk, 1)
             bq = max(16, min(bs, MASK_ELEMENTS // rows))
-    plan = make_plan(spec, bq=bq, bk=bk)
-    if not plan.term_full and not has_additive_terms(spec) and spec.lq > 0 and spec.lk > 0:
+    if _unmasked(spec) and not has_additive_terms(spec) and spec.lq > 0 and spec.lk > 0:
+        plan = Plan(bq=spec.lq, bk=spec.lk, lq=spec.lq, lk=spec.lk,
+                    any=torch.ones(1, 1, dtype=torch.bool))  # one tile, nothing to plan
         return FusedPlan(plan=plan, pieces=[], whole=True)
+    plan = make_plan(spec, bq=bq, bk=bk)
     causal_pieces = _whole_causal(spec, plan)
     if causal_pieces is not None:
         return FusedPlan(plan=plan, pieces=causal_pieces, whole=False)
@@ -147,6 +149,12 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
             causal = (len(partial) == 1 and _is_causal_diagonal(spec, plan, qb, partial[0]))
             pieces.append(_piece(plan, qb, partial, masked=not causal, causal=causal))
     return FusedPlan(plan=plan, pieces=pieces, whole=False)
+
+
+def _unmasked(spec: AttentionSpec) -> bool:
+    return (not spec.has_band and spec.mask is None and spec.block_mask is None
+            and spec.mask_mod is None and spec.seqlens_q is None and spec.seqlens_kv is None
+            and spec.segments_q is None)
 
 
 def _whole_causal(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
