@@ -128,9 +128,11 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
                     any=torch.ones(1, 1, dtype=torch.bool))  # one tile, nothing to plan
         return FusedPlan(plan=plan, pieces=[], whole=True)
     plan = make_plan(spec, bq=bq, bk=bk)
-    causal_pieces = _whole_causal(spec, plan)
-    if causal_pieces is not None:
-        return FusedPlan(plan=plan, pieces=causal_pieces, whole=False)
+    pieces = _whole_causal(spec, plan)
+    if pieces is None:
+        pieces = _segment_pieces(spec, plan)
+    if pieces is not None:
+        return FusedPlan(plan=plan, pieces=pieces, whole=False)
     pieces: List[Piece] = []
     additive = has_additive_terms(spec)
     for qb in range(plan.nqb):
@@ -166,13 +168,66 @@ def _whole_causal(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
     off = spec.diag_offset()
     if not isinstance(off, int) or off + spec.lq != spec.lk or spec.lq == 0 or spec.lk == 0:
         return None
+    return _causal_pieces(0, spec.lq, 0, spec.lk, off)
+
+
+def _causal_pieces(q0: int, q1: int, k0: int, k1: int, delta: int) -> List[Piece]:
+    """Queries [q0, q1) against keys [k0, k1) where local query i sees local keys
+    j <= i + delta, with delta + (q1 - q0) == k1 - k0: keys every row sees, then a causal
+    square."""
     pieces = []
-    if off > 0:
-        pieces.append(Piece(qb=-1, q0=0, q1=spec.lq, keys=(0, off), kbs=(), masked=False,
+    if delta > 0:
+        pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k0 + delta), kbs=(), masked=False,
                             causal=False))
-    q0 = max(0, -off)
-    pieces.append(Piece(qb=-1, q0=q0, q1=spec.lq, keys=(max(off, 0), spec.lk), kbs=(),
-                        masked=False, causal=True))
+    pieces.append(Piece(qb=-1, q0=q0 + max(0, -delta), q1=q1, keys=(k0 + max(delta, 0), k1),
+                        kbs=(), masked=False, causal=True))
+    return pieces
+
+
+def _segment_pieces(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
+    """Documents / packed sequences (sorted segment ids), optionally causal: one unmasked call
+    per segment (two with a bottom-right offset), so no work crosses a segment boundary."""
+    terms = set(plan.term_full)
+    if "segments" not in terms or not terms <= {"segments", "band"} or has_additive_terms(spec):
+        return None
+    band = "band" in terms
+    if band and (spec.left is not None or spec.right != 0):
+        return None
+    sq, sk = spec.segments_q, spec.segments_kv
+    if bool((sq.diff() < 0).any()) or bool((sk.diff() < 0).any()):
+        return None
+    ip = spec.aligned_rows().reshape(-1, spec.lq) if band else None
+    if ip is not None and ip.shape[0] != 1:
+        return None
+    kvals, kcounts = torch.unique_consecutive(sk, return_counts=True)
+    kstart = torch.cumsum(kcounts, 0) - kcounts
+    kranges = {int(v): (int(a), int(a + c)) for v, a, c in zip(kvals, kstart, kcounts)}
+    qvals, qcounts = torch.unique_consecutive(sq, return_counts=True)
+    pieces: List[Piece] = []
+    q0 = 0
+    for val, cnt in zip(qvals.tolist(), qcounts.tolist()):
+        q1 = q0 + cnt
+        keys = kranges.get(val)
+        if keys is None:
+            q0 = q1
+            continue
+        k0, k1 = keys
+        if not band:
+            pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k1), kbs=(), masked=False,
+                                causal=False))
+        else:
+            first, last = int(ip[0, q0]), int(ip[0, q1 - 1])
+            delta = first - k0
+            if last - first != q1 - 1 - q0:  # the diagonal is not one line in this segment
+                return None
+            if delta >= k1 - k0 - 1:
+                pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k1), kbs=(), masked=False,
+                                    causal=False))
+            elif delta + (q1 - q0) == k1 - k0:
+                pieces.extend(_causal_pieces(q0, q1, k0, k1, delta))
+            else:
+                return None
+        q0 = q1
     return pieces
 
 
