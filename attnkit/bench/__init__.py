@@ -192,6 +192,8 @@ def _run_with_progress(settings: Any) -> tuple:
         suite=settings.suite, created=created, wall_s=wall, machine=machine,
         matmul_gflops=matmul, settings=settings.to_json(),
         cases=[c.describe() for c in settings.cases], results=results)
+    if settings.bandwidth:
+        doc["bandwidth"] = settings.bandwidth
     title = (f"attnkit bench, suite {settings.suite}: {machine['cpu']}, "
              f"{machine['threads']} threads, torch {machine['torch']}")
     caption = "\n".join([

@@ -130,6 +130,11 @@ class Case:
         unknown = [s for s in self.suites if s not in SUITES]
         if unknown:
             raise ValueError(f"case {self.name!r}: unknown suites {unknown}; use {SUITES}")
+        lens = self.seqlens()
+        if lens and (len(lens) != self.batch or max(lens) != self.len_q or min(lens) < 1
+                     or self.lk != self.len_q):
+            raise ValueError(f"case {self.name!r}: seqlens need one length >= 1 per batch "
+                             "element, the longest == len_q == len_kv")
         bad = [p for p in self.passes if p not in PASSES]
         if bad:
             raise ValueError(f"case {self.name!r}: unknown passes {bad}; use {PASSES}")
@@ -191,6 +196,16 @@ class Case:
         f.update(self.extra)
         return frozenset(f)
 
+    def seqlens(self) -> List[int]:
+        """Real length of each batch element (``extra["seqlens"]``); ``[]`` when unpadded.
+
+        Cases with ``seqlens`` are right-padded batches: element ``b`` has ``seqlens[b]``
+        real tokens (queries and keys, ``len_q == len_kv == max(seqlens)``); keys past it are
+        invisible and query rows past it give 0. ``extra["varlen"]`` says the same batch is
+        given to attnkit packed (``varlen_attention``).
+        """
+        return [int(x) for x in self.extra.get("seqlens", ())]
+
     def doc_lengths(self) -> List[int]:
         """Lengths of the packed documents (seeded, each >= 1, summing to ``len_q``)."""
         if not self.documents:
@@ -224,6 +239,16 @@ class Case:
             "visible_fraction": vis / self.pairs, "note": self.note,
         }
 
+
+def random_lengths(n: int, total: int, seed: int) -> Tuple[int, ...]:
+    """``n`` seeded random lengths, each >= 1, summing to ``total`` (varlen cases)."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, total), n - 1, replace=False))
+    return tuple(int(x) for x in np.diff(np.concatenate([[0], cuts, [total]])))
+
+
+VARLEN_16K = random_lengths(8, 16384, seed=16)
+"""Sequence lengths of ``varlen_16k`` (seeded; sum 16384)."""
 
 _Q = ("quick",)
 _S = ("standard",)
@@ -264,6 +289,19 @@ CATALOG: Tuple[Case, ...] = (
     Case("long_32k", len_q=32768, causal=True, suites=_S, dtypes=("float32",),
          peers=("attnkit", "sdpa"), repeat=1, warmup=False, memory=True,
          note="memory: O(L) extra, not O(L^2)"),
+    # ---- workloads beyond one dense call (standard suite)
+    Case("varlen_16k", batch=8, len_q=max(VARLEN_16K), causal=True, suites=_S,
+         extra={"seqlens": VARLEN_16K, "varlen": True},
+         note="8 packed sequences, 16384 tokens; sdpa gets the padded batch + bool mask"),
+    Case("padded_batch", batch=4, len_q=4096, causal=True, suites=_S,
+         extra={"seqlens": (4096, 3000, 2000, 1000)},
+         note="right padding: attnkit seqlens_q/kv, sdpa a dense padding mask"),
+    Case("paged_decode", batch=8, heads_q=32, heads_kv=8, len_q=1, len_kv=8192, d_qk=128,
+         causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
+         dtypes=("bfloat16",), extra={"page_size": 256},
+         note="decode over a paged KV cache (shuffled pages); KV GB/s vs memcpy"),
+    Case("dropout_4k", len_q=4096, causal=True, suites=_S, extra={"dropout_p": 0.1},
+         note="random masks differ across peers: attnkit checked against its own keep mask"),
     # ---- long contexts
     Case("long_32k_bf16", len_q=32768, causal=True, suites=_L, dtypes=("bfloat16",),
          peers=("attnkit", "sdpa"), repeat=1, warmup=False, memory=True),

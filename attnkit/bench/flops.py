@@ -16,6 +16,7 @@ checking the analytic count.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Tuple
 
 import numpy as np
@@ -64,8 +65,40 @@ def visible_per_head(case: Case) -> int:
 
 
 def visible_pairs(case: Case) -> int:
-    """Visible pairs over the whole call: ``B * Hq * visible_per_head``."""
+    """Visible pairs over the whole call: ``B * Hq * visible_per_head``.
+
+    A padded or varlen case (``seqlens``) counts each element's own problem: element ``b``
+    is the case at ``Lq = Lk = seqlens[b]`` (causal: ``L_b (L_b + 1) / 2`` pairs), padding
+    never counts.
+    """
+    lens = case.seqlens()
+    if lens:
+        return case.heads_q * sum(visible_per_head(_element(case, n)) for n in lens)
     return case.batch * case.heads_q * visible_per_head(case)
+
+
+def _element(case: Case, length: int) -> Case:
+    """One element of a padded batch as a case of its own (``batch=1``, length ``length``)."""
+    extra = {k: v for k, v in case.extra.items() if k not in ("seqlens", "varlen")}
+    return replace(case, name=f"{case.name}[{length}]", batch=1, len_q=length, len_kv=length,
+                   extra=extra)
+
+
+def padded_visibility(case: Case, rows: slice = slice(None)) -> torch.Tensor:
+    """Bool ``(B, 1, rows, Lk)``: the case's mask AND ``key < seqlens[b]``.
+
+    Query rows past ``seqlens[b]`` keep the keys of their element visible (no row is empty,
+    so no NaN); their output is zeroed instead, as the padded peers do.
+    """
+    base = dense_visibility(case, rows)
+    keys = torch.arange(case.lk).view(1, -1) < torch.tensor(case.seqlens()).view(-1, 1)
+    return (base.unsqueeze(0) & keys.unsqueeze(1)).unsqueeze(1)
+
+
+def padded_rows(case: Case, rows: slice = slice(None)) -> torch.Tensor:
+    """Bool ``(B, 1, rows, 1)``: query rows that are real tokens."""
+    i = torch.arange(case.len_q)[rows].view(1, -1)
+    return (i < torch.tensor(case.seqlens()).view(-1, 1)).view(len(case.seqlens()), 1, -1, 1)
 
 
 def dense_visibility(case: Case, rows: slice = slice(None)) -> torch.Tensor:

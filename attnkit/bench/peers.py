@@ -43,6 +43,11 @@ ALL_FEATURES: FrozenSet[str] = frozenset({
     "causal", "bottom_right", "window", "documents", "prefix_lm", "gqa", "alibi", "softcap",
     "relative_bias", "d_v"})
 
+WORKLOAD_FEATURES: FrozenSet[str] = frozenset({"seqlens", "varlen", "page_size", "dropout_p"})
+"""``extra`` features that attnkit and torch SDPA are taught (see :func:`Attnkit.build`,
+:func:`Sdpa.build`): padded batches, packed varlen, a paged KV cache, dropout. FlexAttention
+and the naive baseline are not: they report "cannot express ..."."""
+
 def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -102,6 +107,10 @@ def attnkit_kwargs(w: Workload, table: Optional[Tensor],
             kw["diagonal"] = c.diagonal
     if c.softcap is not None:
         kw["softcap"] = c.softcap
+    if c.seqlens():
+        lens = torch.tensor(c.seqlens())
+        kw["seqlens_q"] = lens
+        kw["seqlens_kv"] = lens
     if c.alibi:
         kw["alibi_slopes"] = w.slopes if slopes is None else slopes
     if c.relative_bias:
@@ -130,14 +139,81 @@ def _attnkit_block_mask(c: Case) -> Any:
     return create_block_mask(mod, None, None, c.len_q, c.lk, device="cpu")
 
 
+def packed_index(c: Case) -> Tensor:
+    """int64 ``(T,)``: positions of the real tokens in the flattened ``(B * L)`` padded batch."""
+    lens = torch.tensor(c.seqlens())
+    valid = torch.arange(c.len_q).view(1, -1) < lens.view(-1, 1)
+    return valid.reshape(-1).nonzero().view(-1)
+
+
+def cu_seqlens(c: Case) -> Tensor:
+    """int32 ``(B + 1,)`` cumulative sequence lengths of a varlen case."""
+    lens = torch.tensor([0] + c.seqlens(), dtype=torch.int64)
+    return torch.cumsum(lens, 0).to(torch.int32)
+
+
+def _attnkit_varlen(w: Workload) -> Forward:
+    """``varlen_attention`` on the packed batch; the pack (gather) and unpack (scatter into a
+    zero padded output) run inside the call, so every peer returns the same padded tensor."""
+    import attnkit
+
+    c = w.case
+    idx = w.cached("packed_index", lambda: packed_index(c))
+    cu = w.cached("cu_seqlens", lambda: cu_seqlens(c))
+    b, n = c.batch, c.len_q
+
+    def pack(x: Tensor) -> Tensor:
+        return x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]).index_select(0, idx)
+
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        o = attnkit.varlen_attention(pack(q), pack(k), pack(v), cu, cu, n, n,
+                                     causal=c.causal, scale=w.scale)
+        full = o.new_zeros(b * n, o.shape[1], o.shape[2]).index_copy(0, idx, o)
+        return full.view(b, n, o.shape[1], o.shape[2]).transpose(1, 2)
+
+    return forward
+
+
+def paged_cache(w: Workload) -> Any:
+    """A :class:`attnkit.PagedKVCache` holding the workload's K/V, sequence ids ``0..B-1``.
+
+    Pages are shuffled: the sequences' page-sized chunks are appended in a seeded random
+    interleaving, so no sequence owns consecutive pages.
+    """
+    import attnkit
+
+    c = w.case
+    ps = int(c.extra["page_size"])
+    chunks = -(-c.lk // ps)
+    cache = attnkit.PagedKVCache(c.batch * chunks, ps, c.hkv, c.d_qk, w.dtype, v_head_dim=c.dv)
+    for b in range(c.batch):
+        cache.allocate(b)
+    order = torch.randperm(c.batch * chunks, generator=torch.Generator().manual_seed(c.seed))
+    owners = torch.arange(c.batch).repeat_interleave(chunks)[order].tolist()
+    done = [0] * c.batch
+    for b in owners:
+        s = slice(done[b] * ps, min((done[b] + 1) * ps, c.lk))
+        cache.append(b, w.k[b, :, s].transpose(0, 1).contiguous(),
+                     w.v[b, :, s].transpose(0, 1).contiguous())
+        done[b] += 1
+    return cache
+
+
 class Attnkit(Peer):
-    """:func:`attnkit.attention`, the subject."""
+    """:func:`attnkit.attention`, the subject (``varlen_attention`` / ``paged_attention`` for
+    the varlen and paged cases)."""
 
     name = "attnkit"
     label = "attnkit.attention"
-    FEATURES = ALL_FEATURES
+    FEATURES = ALL_FEATURES | WORKLOAD_FEATURES
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
+        if "varlen" in case.extra:
+            return ["varlen_attention; pack/unpack inside the call"]
+        if "page_size" in case.extra:
+            return [f"paged_attention, {case.extra['page_size']}-token shuffled pages"]
+        if "dropout_p" in case.extra:
+            return ["replayable dropout; err vs reference with its own keep mask"]
         if case.documents or case.prefix:
             try:
                 import attnkit.block_mask  # noqa: F401
@@ -148,7 +224,21 @@ class Attnkit(Peer):
     def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
         import attnkit
 
+        c = w.case
+        if "varlen" in c.extra:
+            return _attnkit_varlen(w)
+        if "page_size" in c.extra:
+            cache = w.cached("paged_cache", lambda: paged_cache(w))
+            ids = list(range(c.batch))
+            opts: Dict[str, Any] = {"causal": c.causal, "diagonal": c.diagonal}
+
+            def forward_paged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                return attnkit.paged_attention(q, cache, ids, scale=w.scale, **opts)
+
+            return forward_paged
         kw = attnkit_kwargs(w, table)
+        if "dropout_p" in c.extra:
+            kw.update(dropout_p=float(c.extra["dropout_p"]), seed=c.seed)
 
         def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return attnkit.attention(q, k, v, **kw)
@@ -186,12 +276,14 @@ def _lower_right(c: Case) -> Any:
 
 def _mask_kind(c: Case) -> str:
     """How the case's visibility reaches SDPA: none, is_causal, lower_right or dense."""
-    if c.documents or c.prefix or c.window is not None:
+    if c.documents or c.prefix or c.window is not None or c.seqlens():
         return "dense"
     if not c.causal:
         return "none"
     if c.diagonal == "top_left" or c.len_q == c.lk:
         return "is_causal"
+    if c.len_q == 1 and c.lk >= 1:  # one query at the bottom-right sees every key
+        return "none"
     return "lower_right"
 
 
@@ -200,12 +292,18 @@ class Sdpa(Peer):
 
     name = "sdpa"
     label = "torch SDPA"
-    FEATURES = ALL_FEATURES - {"softcap"}
+    FEATURES = (ALL_FEATURES | WORKLOAD_FEATURES) - {"softcap"}
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
         kind = _mask_kind(case)
         out = []
-        if case.alibi or case.relative_bias:
+        if "page_size" in case.extra:
+            out.append("contiguous K/V")
+        if "dropout_p" in case.extra:
+            out.append("own dropout mask; torch uses its math kernel")
+        if case.seqlens():
+            out.append("padded batch, dense bool mask (B, 1, L, L)")
+        elif case.alibi or case.relative_bias:
             out.append("dense float bias" + (" from the table, in the call"
                                              if case.relative_bias else ""))
         elif kind == "dense":
@@ -229,7 +327,10 @@ class Sdpa(Peer):
             n += per_head * 8 + 2 * case.heads_q * per_head * 4
             if dtype != torch.float32:
                 n += case.heads_q * per_head * _elem(dtype)
+        if case.seqlens():
+            n += case.batch * per_head  # (B, 1, L, L) bool
         math_path = case.dv != case.d_qk or (case.relative_bias and pass_ == "fwd+bwd")
+        math_path = math_path or "dropout_p" in case.extra
         if math_path:  # torch falls back to its dense math kernel
             n += (3 if pass_ == "fwd" else 6) * pairs * 4
         return n
@@ -245,9 +346,17 @@ class Sdpa(Peer):
         opts: Dict[str, Any] = {"scale": w.scale}
         if native_gqa:
             opts["enable_gqa"] = True
+        if "dropout_p" in c.extra:
+            opts["dropout_p"] = float(c.extra["dropout_p"])
         float_bias = c.alibi or c.relative_bias
         static: Any = None  # mask or bias built once, outside the timing
-        if not float_bias:
+        rows_ok: Optional[Tensor] = None
+        if c.seqlens():
+            from .flops import padded_rows, padded_visibility
+
+            static = w.cached("sdpa_padded_mask", lambda: padded_visibility(c))
+            rows_ok = padded_rows(c)
+        elif not float_bias:
             if kind == "is_causal":
                 opts["is_causal"] = True
             elif kind == "lower_right":
@@ -278,7 +387,10 @@ class Sdpa(Peer):
                     bias = torch.where(vis, bias, float("-inf"))
                 bias = bias.to(q.dtype).unsqueeze(0)
                 mask = bias if static is None else bias + static
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **opts)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **opts)
+            if rows_ok is not None:  # padding query rows: 0, as attnkit gives
+                out = out.masked_fill(~rows_ok, 0.0)
+            return out
 
         return forward
 

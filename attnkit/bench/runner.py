@@ -50,6 +50,7 @@ class Settings:
     only: List[str] = field(default_factory=list)
     tune_malloc: bool = True
     malloc: Optional[Dict[str, int]] = None  # what tune_malloc() applied
+    bandwidth: List[Dict[str, Any]] = field(default_factory=list)  # paged cases, see kv_bandwidth
 
     def rounds(self, case: Case) -> int:
         """Timed rounds for ``case``."""
@@ -112,6 +113,43 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n ** 3 / min(times) / 1e9
 
 
+def memcpy_gbps(mib: int = 512, reps: int = 5) -> float:
+    """Copy bandwidth of this machine, now: ``bytes copied / s`` of ``dst.copy_(src)`` on a
+    ``mib`` MiB tensor, best of ``reps``, in GB/s (1e9 bytes).
+
+    Each byte is read once and written once, so the memory traffic is twice this figure.
+    """
+    n = (mib << 20) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: fault the pages in
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return n * 4 / best / 1e9
+
+
+def kv_bytes(case: Case, dtype: torch.dtype) -> int:
+    """Bytes of K and V one decode call must read: ``B * Hkv * Lk * (d_qk + d_v) * elem``
+    (``2 * B * Hkv * L * d * elem`` when ``d_qk == d_v``)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return case.batch * case.hkv * case.lk * (case.d_qk + case.dv) * elem
+
+
+def kv_bandwidth(case: Case, dtype: torch.dtype, peer: str, median_s: float,
+                 copy_gbps: Optional[float]) -> Dict[str, Any]:
+    """The bandwidth record of one paged-decode row: K/V GB/s and its ratio to memcpy."""
+    nbytes = kv_bytes(case, dtype)
+    gbps = nbytes / median_s / 1e9
+    return {"case": case.name, "dtype": dtype_name(dtype), "peer": peer, "kv_bytes": nbytes,
+            "median_s": median_s, "kv_gbps": gbps, "memcpy_gbps": copy_gbps,
+            "memcpy_definition": "bytes copied / s by dst.copy_(src), 512 MiB float32 "
+                                 "(traffic read+write = 2x)",
+            "ratio_to_memcpy": gbps / copy_gbps if copy_gbps else None}
+
+
 # Fixed glibc malloc thresholds for the timing process (see tune_malloc).
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 1 << 30
@@ -166,6 +204,9 @@ def _fill_timing(r: Result, t: Any, peer_name: str, matmul: Dict[str, float]) ->
 
 def _fill_errors(r: Result, ref: Reference, last: Any) -> None:
     if last is None:
+        return
+    if ref.kind == "dropout-rows" and r.peer != SUBJECT:
+        r.add_note("err: not compared (its own random dropout mask)")
         return
     out, grads = (last if isinstance(last, tuple) else (last, None))
     r.max_err, r.grad_err = errors(ref, out, grads)
@@ -281,6 +322,8 @@ def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Sett
             for r in rows.values():
                 if r.status == "ok":
                     r.add_note("no ratio: attnkit did not run")
+        if "page_size" in case.extra:
+            _fill_bandwidth(case, dtype, rows, settings, step)
         t.last.clear()
         gc.collect()
         if settings.measure_memory(case):
@@ -290,6 +333,21 @@ def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Sett
             advance()
     w.release()
     return results
+
+
+def _fill_bandwidth(case: Case, dtype: torch.dtype, rows: Dict[str, Result],
+                    settings: Settings, step: Optional[Step]) -> None:
+    """K/V bytes read per second of every timed row, against memcpy measured now."""
+    if step:
+        step(f"{case.name}: memcpy bandwidth (512 MiB)")
+    copy = memcpy_gbps()
+    for name, r in rows.items():
+        if r.status != "ok" or not r.median_s:
+            continue
+        rec = kv_bandwidth(case, dtype, name, r.median_s, copy)
+        settings.bandwidth.append(rec)
+        r.add_note(f"K/V read {rec['kv_gbps']:.1f} GB/s = {rec['ratio_to_memcpy']:.2f}x "
+                   f"memcpy ({copy:.1f} GB/s copied)")
 
 
 def _short(err: BaseException, n: int = 160) -> str:
