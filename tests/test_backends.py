@@ -1,0 +1,85 @@
+"""Executor selection: the fused CPU kernel really runs where it can, the tiled executor runs
+where it must, and the fallback (fused kernel missing) gives the same answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rand
+
+import attnkit
+from attnkit import backends
+from attnkit.backends import fused, tiled
+from attnkit.spec import build_spec
+
+
+def _spy(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+@pytest.mark.skipif(fused.FWD_OP is None, reason="this torch has no fused CPU flash kernel")
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(8, 0), causal=True),
+                                dict(mask=attnkit.masks.document_from_lengths([20, 30, 14])),
+                                dict(alibi_slopes=torch.rand(4))], ids=str)
+def test_fused_kernel_runs_forward_and_backward(kw, monkeypatch):
+    fwd = _spy(monkeypatch, fused, "FWD_OP")
+    bwd = _spy(monkeypatch, fused, "BWD_OP")
+    tiled_fwd = _spy(monkeypatch, tiled, "forward")
+    q = rand(1, 4, 64, 16, dtype=torch.float32, requires_grad=True)
+    out = attnkit.attention(q, q, q, **kw)
+    out.sum().backward()
+    assert fwd and bwd and not tiled_fwd
+
+
+def test_tiled_runs_what_the_kernel_cannot():
+    q = torch.randn(1, 2, 8, 4)
+    for kw in (dict(softcap=3.0), dict(dropout_p=0.2, seed=1),
+               dict(score_mod=attnkit.score_mods.softcap(2.0))):
+        spec = build_spec(q, q, q, **kw)
+        assert backends.select(spec) is tiled
+        assert fused.not_supported_reasons(spec)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(5, 2)),
+                                dict(causal=True, diagonal="bottom_right"),
+                                dict(bias=torch.randn(4, 37, 53))], ids=str)
+def test_fallback_without_the_kernel_gives_the_same_answer(kw, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q = rand(2, 4, 37, 16, dtype=torch.float32, gen=g, requires_grad=True)
+    k = rand(2, 2, 53, 16, dtype=torch.float32, gen=g, requires_grad=True)
+    v = rand(2, 2, 53, 16, dtype=torch.float32, gen=g, requires_grad=True)
+    out = attnkit.attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    monkeypatch.setattr(fused, "FWD_OP", None)
+    monkeypatch.setattr(fused, "BWD_OP", None)
+    spec = build_spec(q, k, v, **kw)
+    assert backends.select(spec) is tiled
+    assert "no fused CPU flash kernel" in " ".join(fused.not_supported_reasons(spec))
+    out2 = attnkit.attention(q, k, v, **kw)
+    grads2 = torch.autograd.grad(out2.sum(), (q, k, v))
+    assert torch.allclose(out, out2, atol=1e-5)
+    for a, b in zip(grads, grads2):
+        assert torch.allclose(a, b, atol=1e-4)
+    with pytest.raises(NotImplementedError, match="fused"):
+        attnkit.attention(q, k, v, backend="fused", **kw)
+
+
+def test_version_guard_refuses_old_torch(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.1.0")
+    assert fused._load_ops() == (None, None)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    assert fused._load_ops()[0] is not None
+
+
+def test_explain_lists_every_executor():
+    spec = build_spec(torch.randn(4, 8), torch.randn(5, 8), torch.randn(5, 8), softcap=1.0)
+    reasons = backends.explain(spec)
+    assert reasons["tiled"] == [] and any("softcap" in r for r in reasons["fused"])
