@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -265,10 +265,13 @@ def _name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Optional[Tensor]:
-    """Bool tile broadcastable to (N, Hq, bq, bk), or None when every pair is visible."""
-    q0, q1 = plan.q_range(qb)
-    k0, k1 = plan.k_range(kb)
+ANALYTIC_TERMS = ("band", "seqlens", "segments", "mask")
+
+
+def range_visibility(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
+                     terms: Sequence[str]) -> Optional[Tensor]:
+    """The analytic terms (band, seqlens, segments, mask tensor) among ``terms`` on queries
+    [q0, q1) and keys [k0, k1): bool broadcastable to (N, Hq, q1-q0, k1-k0), or None."""
     dev = spec.q.device
     vis: Optional[Tensor] = None
 
@@ -278,21 +281,38 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
 
     i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
     j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
-    if plan.needs("band", qb, kb):
+    if "band" in terms:
         ip = spec.aligned_rows(q0, q1)
         if spec.left is not None:
             both(j >= ip - spec.left)
         if spec.right is not None:
             both(j <= ip + spec.right)
-    if plan.needs("seqlens", qb, kb):
+    if "seqlens" in terms:
         if spec.seqlens_q is not None:
             both(i < spec.seqlens_q.view(-1, 1, 1, 1))
         if spec.seqlens_kv is not None:
             both(j < spec.seqlens_kv.view(-1, 1, 1, 1))
-    if plan.needs("segments", qb, kb):
+    if "segments" in terms:
         both(spec.segments_q[q0:q1].view(1, 1, -1, 1) == spec.segments_kv[k0:k1].view(1, 1, 1, -1))
-    if plan.needs("mask", qb, kb):
+    if "mask" in terms:
         both(slice_tile(spec.mask, q0, q1, k0, k1))
+    return vis
+
+
+def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Optional[Tensor]:
+    """Bool tile broadcastable to (N, Hq, bq, bk), or None when every pair is visible."""
+    q0, q1 = plan.q_range(qb)
+    k0, k1 = plan.k_range(kb)
+    dev = spec.q.device
+    vis = range_visibility(spec, q0, q1, k0, k1,
+                           [t for t in ANALYTIC_TERMS if plan.needs(t, qb, kb)])
+
+    def both(x: Tensor) -> None:
+        nonlocal vis
+        vis = x if vis is None else vis & x
+
+    i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
     b = h = None
     if plan.needs("block_mask", qb, kb):
         listed = spec.extras["block_listed"][:, qb, kb]

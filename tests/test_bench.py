@@ -14,18 +14,26 @@ import torch
 from attnkit.bench import add_arguments, run_from_args
 from attnkit.bench import report as rep
 from attnkit.bench.accuracy import errors, reference
-from attnkit.bench.cases import CATALOG, Case, select
+from attnkit.bench.cases import CATALOG, Case, random_lengths, select
 from attnkit.bench.flops import (
     count_dense,
     dense_visibility,
     flops,
     forward_flops,
+    padded_rows,
+    padded_visibility,
     visible_pairs,
     visible_per_head,
 )
 from attnkit.bench.memory import measure_in_child
-from attnkit.bench.peers import PEERS, make_call
-from attnkit.bench.runner import Settings, run_case
+from attnkit.bench.peers import PEERS, make_call, paged_cache
+from attnkit.bench.runner import (
+    Settings,
+    kv_bandwidth,
+    kv_bytes,
+    memcpy_gbps,
+    run_case,
+)
 from attnkit.bench.timing import bracketed_ratios, interleave
 from attnkit.bench.workloads import make_workload
 
@@ -252,9 +260,15 @@ def test_supports_lists_reasons() -> None:
     assert PEERS["sdpa"].remarks(TINY["documents"], "fwd") == ["dense bool mask"]
     assert "torch uses its math kernel" in PEERS["sdpa"].remarks(TINY["relbias"], "fwd+bwd")
     # a feature added to the catalog later is refused by every peer, never ignored
-    future = Case("future", len_q=16, extra={"dropout_p": 0.1})
+    future = Case("future", len_q=16, extra={"sinks": 4})
     for peer in PEERS.values():
-        assert "cannot express dropout_p" in peer.supports(future, "fwd")
+        assert "cannot express sinks" in peer.supports(future, "fwd")
+    # the workload features: attnkit and sdpa are taught them, flex and naive are not
+    dropout = Case("drop", len_q=16, extra={"dropout_p": 0.1})
+    for name in ("flex", "naive"):
+        assert "cannot express dropout_p" in PEERS[name].supports(dropout, "fwd")
+    for name in ("attnkit", "sdpa"):
+        assert PEERS[name].supports(dropout, "fwd+bwd") == []
 
 
 def test_reference_matches_dense_row_slice() -> None:
@@ -375,3 +389,135 @@ def test_cli_errors(monkeypatch, capsys) -> None:
     assert run_from_args(_parse("--only", "small_256", "--plot", "x.png")) == 2
     assert "needs matplotlib" in capsys.readouterr().err
     assert run_from_args(_parse("--list")) == 0
+
+
+# --------------------------------------------------------------------------- workloads beyond
+# one dense call: varlen, padded batch, paged decode, dropout, distributed ring attention
+
+TINY_LENS = random_lengths(3, 100, seed=1)
+TINY_WORKLOADS = {
+    "varlen_16k": Case("t_varlen", batch=3, heads_q=2, len_q=max(TINY_LENS), d_qk=16,
+                       causal=True, extra={"seqlens": TINY_LENS, "varlen": True}),
+    "padded_batch": Case("t_padded", batch=3, heads_q=2, len_q=40, d_qk=16, causal=True,
+                         extra={"seqlens": (40, 25, 7)}),
+    "paged_decode": Case("t_paged", batch=3, heads_q=4, heads_kv=2, len_q=1, len_kv=70,
+                         d_qk=16, causal=True, diagonal="bottom_right", passes=("fwd",),
+                         extra={"page_size": 16}),
+    "dropout_4k": Case("t_dropout", heads_q=2, len_q=64, d_qk=16, causal=True,
+                       extra={"dropout_p": 0.1}),
+}
+
+
+def test_new_standard_cases_are_in_the_catalog() -> None:
+    by = {c.name: c for c in select("standard")}
+    for name, tiny in TINY_WORKLOADS.items():
+        assert set(by[name].features()) == set(tiny.features()), name
+    v = by["varlen_16k"]
+    assert sum(v.seqlens()) == 16384 and len(v.seqlens()) == 8 and v.len_q == max(v.seqlens())
+    assert v.seqlens() == list(random_lengths(8, 16384, seed=16))  # seeded
+    assert by["padded_batch"].seqlens() == [4096, 3000, 2000, 1000]
+    p = by["paged_decode"]
+    assert (p.batch, p.heads_q, p.hkv, p.len_q, p.lk, p.d_qk) == (8, 32, 8, 1, 8192, 128)
+    assert p.dtypes == ("bfloat16",) and p.passes == ("fwd",)
+    assert by["dropout_4k"].extra["dropout_p"] == 0.1
+    with pytest.raises(ValueError, match="seqlens"):
+        Case("bad", batch=2, len_q=10, extra={"seqlens": (10, 11)})
+
+
+def test_varlen_flops_count_each_sequence_alone() -> None:
+    case = TINY_WORKLOADS["varlen_16k"]
+    per_seq = sum(n * (n + 1) // 2 for n in TINY_LENS)
+    assert visible_pairs(case) == case.heads_q * per_seq
+    # the same count from the padded mask, real query rows only
+    vis = padded_visibility(case) & padded_rows(case)
+    assert count_dense(vis) * case.heads_q == visible_pairs(case)
+    assert flops(case, "fwd") == 4.0 * case.heads_q * per_seq * case.d_qk
+    big = {c.name: c for c in CATALOG}["varlen_16k"]
+    assert visible_pairs(big) == 8 * sum(n * (n + 1) // 2 for n in big.seqlens())
+    assert visible_pairs(big) < big.pairs / 2  # padding is not counted
+
+
+@pytest.mark.parametrize("name", list(TINY_WORKLOADS))
+def test_new_cases_smoke(name: str) -> None:
+    case = TINY_WORKLOADS[name]
+    settings = _tiny_settings(cases=[case], peers=["attnkit", "sdpa", "flex", "naive"],
+                              repeat=1)
+    results = run_case(case, settings, {"float32": 1.0})
+    by = {(r.pass_, r.peer): r for r in results}
+    for pass_ in case.passes:
+        for peer in ("flex", "naive"):
+            assert by[(pass_, peer)].status == "unsupported"
+        for peer in ("attnkit", "sdpa"):
+            r = by[(pass_, peer)]
+            assert r.status == "ok", r.note
+            assert r.flops == flops(case, pass_) and r.median_s > 0
+            if name == "dropout_4k" and peer == "sdpa":
+                assert r.max_err is None and "not compared" in r.note
+                continue
+            assert r.max_err is not None and r.max_err < 1e-4, (peer, pass_, r.max_err)
+            if pass_ == "fwd+bwd":
+                assert r.grad_err is not None and r.grad_err < 1e-3
+    if name == "paged_decode":
+        assert [b["peer"] for b in settings.bandwidth] == ["attnkit", "sdpa"]
+        assert "GB/s" in by[("fwd", "attnkit")].note
+    else:
+        assert settings.bandwidth == []
+
+
+def test_dropout_is_applied_and_replayable() -> None:
+    import attnkit
+
+    case = TINY_WORKLOADS["dropout_4k"]
+    w = make_workload(case, torch.float32)
+    call = make_call(PEERS["attnkit"], w, "fwd")
+    a, b = call(), call()
+    assert torch.equal(a, b)  # same seed, same mask
+    plain = attnkit.attention(w.q, w.k, w.v, causal=True)
+    assert not torch.allclose(a, plain)
+    ref = reference(w, with_grads=False)
+    assert ref.kind == "dropout-rows" and errors(ref, a)[0] < 1e-5
+
+
+def test_paged_cache_is_shuffled_and_holds_the_keys() -> None:
+    case = TINY_WORKLOADS["paged_decode"]
+    w = make_workload(case, torch.float32)
+    cache = paged_cache(w)
+    pages = [cache.pages_of(b) for b in range(case.batch)]
+    assert all(len(p) == 5 for p in pages)  # ceil(70 / 16)
+    assert any(p != list(range(p[0], p[0] + len(p))) for p in pages)  # not consecutive
+    assert sorted(sum(pages, [])) == list(range(15))
+    assert cache.seq_len(0) == 70
+
+
+def test_paged_bandwidth_bookkeeping() -> None:
+    big = {c.name: c for c in CATALOG}["paged_decode"]
+    assert kv_bytes(big, torch.bfloat16) == 2 * 8 * 8 * 8192 * 128 * 2  # 256 MiB
+    rec = kv_bandwidth(big, torch.bfloat16, "attnkit", median_s=0.01, copy_gbps=20.0)
+    assert rec["kv_gbps"] == pytest.approx(2 * 8 * 8 * 8192 * 128 * 2 / 0.01 / 1e9)
+    assert rec["ratio_to_memcpy"] == pytest.approx(rec["kv_gbps"] / 20.0)
+    assert "bytes copied" in rec["memcpy_definition"]
+    assert kv_bandwidth(big, torch.bfloat16, "sdpa", 0.01, None)["ratio_to_memcpy"] is None
+    assert memcpy_gbps(mib=8, reps=2) > 0
+
+
+RUN_DIST = os.environ.get("ATTNKIT_BENCH_DIST") == "1"
+
+
+def test_distributed_cli_tiny(tmp_path, monkeypatch, capsys) -> None:
+    """--distributed end to end at a tiny size (2 spawned ranks; ~6 s, mostly start-up)."""
+    from attnkit.bench import distributed
+
+    tiny = distributed.DistSettings(heads=2, d=16, length=256, mem_lengths=(256, 512),
+                                    repeat=1, timeout_s=120)
+    if not RUN_DIST:
+        monkeypatch.setattr(distributed, "default_settings", lambda: tiny)
+    path = str(tmp_path / "dist.json")
+    assert run_from_args(_parse("--distributed", "--json", path)) == 0
+    doc = json.load(open(path))["distributed"]
+    assert "errors" not in doc
+    assert set(doc["median_s"]) == {"zigzag_causal", "contiguous_full"}
+    assert all(len(m) == 2 and min(m) > 0 for m in doc["median_s"].values())
+    assert doc["causal_vs_full"] > 0 and doc["balance"]["zigzag_causal"] >= 1.0
+    assert set(doc["peak_mib"]) == {str(n) for n in doc["settings"]["mem_lengths"]}
+    out = capsys.readouterr().out
+    assert "zigzag_causal" in out and "peak memory per rank" in out

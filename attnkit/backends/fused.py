@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..plan import Plan, make_plan, tile_visibility
+from ..plan import ANALYTIC_TERMS, Plan, make_plan, range_visibility, tile_visibility
 from ..spec import AttentionSpec
 from . import tiled
 
@@ -145,6 +145,10 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
             continue
         full = [kb for kb in kbs if _tile_full(plan, qb, kb)]
         partial = [kb for kb in kbs if not _tile_full(plan, qb, kb)]
+        if partial and len(full) <= len(partial) and kbs[-1] - kbs[0] == len(kbs) - 1:
+            # a short contiguous footprint (a band): one masked call beats split + merge
+            pieces.append(_piece(plan, qb, kbs, masked=True))
+            continue
         for run in _runs(full):
             pieces.append(_piece(plan, qb, run, masked=False))
         if partial:
@@ -293,22 +297,17 @@ def _key_index(plan: Plan, piece: Piece, device: torch.device) -> Tensor:
 
 
 def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torch.dtype
-                ) -> Tuple[Tensor, Optional[Tensor]]:
-    """Additive mask (N|1, Hq|1, bq, keys) for one piece, and the rows that see some key
-    (None when every row does)."""
+                ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Additive mask (N|1, Hq|1, bq, keys) for one piece (None when nothing is masked), and
+    the rows that see some key (None when every row does)."""
     plan = fplan.plan
     dev = spec.q.device
     j = (torch.arange(*piece.keys, device=dev) if piece.keys is not None
          else _key_index(plan, piece, dev))
     add = _additive(spec, piece.q0, piece.q1, j, piece.keys, dtype)
-    vis_parts = [tile_visibility(spec, plan, piece.qb, kb) for kb in piece.kbs]
-    vis = None
-    if any(v is not None for v in vis_parts):
-        widths = [plan.k_range(kb)[1] - plan.k_range(kb)[0] for kb in piece.kbs]
-        lead = torch.broadcast_shapes(*[v.shape[:3] for v in vis_parts if v is not None])
-        vis = torch.cat([(v if v is not None else torch.ones(1, 1, 1, 1, dtype=torch.bool,
-                                                               device=dev))
-                         .expand(*lead, w) for v, w in zip(vis_parts, widths)], dim=3)
+    vis = _piece_visibility(spec, plan, piece)
+    if add is None and vis is None:
+        return None, None
     if add is None:
         zero = torch.zeros((), dtype=dtype, device=dev)
         mask = torch.where(vis, zero, torch.full((), float("-inf"), dtype=dtype, device=dev))
@@ -317,10 +316,28 @@ def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torc
     else:
         mask = add
     if spec.bias is not None or spec.score_mod is not None:
-        seen = torch.isfinite(mask).any(-1)  # a bias may hold -inf
+        seen = mask.amax(-1) > float("-inf")  # a bias may hold -inf
     else:
         seen = vis.any(-1) if vis is not None else None
     return mask, seen
+
+
+def _piece_visibility(spec: AttentionSpec, plan: Plan, piece: Piece) -> Optional[Tensor]:
+    """Visibility over a piece's keys: the analytic terms at once on a contiguous range,
+    otherwise (mask_mod, BlockMask, gathered blocks) block by block."""
+    dev = spec.q.device
+    if piece.keys is not None and not ({"mask_mod", "block_mask"} & set(plan.term_full)):
+        terms = [t for t in ANALYTIC_TERMS
+                 if any(plan.needs(t, piece.qb, kb) for kb in piece.kbs)]
+        return range_visibility(spec, piece.q0, piece.q1, *piece.keys, terms)
+    parts = [tile_visibility(spec, plan, piece.qb, kb) for kb in piece.kbs]
+    if all(v is None for v in parts):
+        return None
+    widths = [plan.k_range(kb)[1] - plan.k_range(kb)[0] for kb in piece.kbs]
+    lead = torch.broadcast_shapes(*[v.shape[:3] for v in parts if v is not None])
+    ones = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
+    return torch.cat([(v if v is not None else ones).expand(*lead, w)
+                      for v, w in zip(parts, widths)], dim=3)
 
 
 def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,

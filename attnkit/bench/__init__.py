@@ -7,6 +7,7 @@ Usage (``python -m attnkit.bench`` takes the same options)::
                   [--only NAME,...] [--peers NAME,...] [--json PATH] [--plot PATH] [--repeat N]
                   [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS]
                   [--no-malloc-tune] [--list]
+    attnkit bench --distributed [--json PATH]
 
 Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about a minute on 2 cores, float32, no
 compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
@@ -87,6 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="leave glibc's malloc thresholds at their defaults (by default "
                              "they are fixed, which removes a slow-first-calls transient)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
+    parser.add_argument("--distributed", action="store_true",
+                        help="instead of a suite: ring attention on 2 local gloo ranks (1 thread "
+                             "each), L=8192 fwd+bwd, zigzag causal vs contiguous full, and peak "
+                             "memory per rank at L=8192 and 16384 (~2 min on 2 cores); --json "
+                             "writes it under a \"distributed\" key")
     return parser
 
 
@@ -115,6 +121,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     """
     if getattr(args, "list", False):
         return _list_cases()
+    if getattr(args, "distributed", False):
+        return _run_distributed(args)
     from .cases import PASSES, select
     from .peers import PEERS, SUBJECT
     from .report import plot_available
@@ -165,6 +173,23 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     failed = [r for r in results if r.peer == SUBJECT and r.status == "error"]
     return 1 if failed else 0
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """``--distributed``: the ring-attention benchmark (:mod:`attnkit.bench.distributed`)."""
+    from . import distributed, runner
+
+    created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    start = time.perf_counter()
+    doc = distributed.run_distributed(distributed.default_settings())
+    print(distributed.render(doc))
+    if args.json:
+        from .report import write_json
+
+        write_json({"created": created, "wall_s": time.perf_counter() - start,
+                    "machine": runner.machine_info(), "distributed": doc}, args.json)
+        print(f"wrote {args.json}")
+    return 1 if "errors" in doc else 0
 
 
 def _run_with_progress(settings: Any) -> tuple:
