@@ -83,3 +83,36 @@ def test_explain_lists_every_executor():
     spec = build_spec(torch.randn(4, 8), torch.randn(5, 8), torch.randn(5, 8), softcap=1.0)
     reasons = backends.explain(spec)
     assert reasons["tiled"] == [] and any("softcap" in r for r in reasons["fused"])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mask=lambda b, h, i, j: (j % (b + 2)) != 1),
+    dict(score_mod=attnkit.score_mods.head_bias(torch.tensor([0.1, -0.2, 0.3, 0.0],
+                                                             dtype=torch.float64)),
+         causal=True, diagonal="bottom_right"),
+    dict(alibi_slopes=torch.rand(3, 4, dtype=torch.float64), causal=True),
+], ids=["batch_mask_mod", "score_mod_bottom_right", "per_batch_alibi"])
+def test_padded_batch_rows_run_on_their_true_lengths(kw, backend):
+    """The fused executor runs each padded batch row alone (b index preserved for mods)."""
+    g = torch.Generator().manual_seed(3)
+    q = rand(3, 4, 20, 8, gen=g, requires_grad=True)
+    k = rand(3, 2, 25, 8, gen=g, requires_grad=True)
+    lens = dict(seqlens_q=torch.tensor([20, 7, 0]), seqlens_kv=torch.tensor([25, 3, 9]))
+    out, lse = attnkit.attention(q, k, k, backend=backend, return_lse=True, **lens, **kw)
+    ref, ref_lse = attnkit.attention_reference(q, k, k, return_lse=True, **lens, **kw)
+    assert torch.allclose(out, ref, atol=1e-12)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-12)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k)), torch.autograd.grad(ref.sum(), (q, k))):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+def test_decode_rows_use_the_matmul_path(monkeypatch):
+    fwd = _spy(monkeypatch, fused, "FWD_OP")
+    g = torch.Generator().manual_seed(4)
+    q, k = rand(2, 8, 1, 16, gen=g), rand(2, 2, 40, 16, gen=g)
+    out, lse = attnkit.attention(q, k, k, return_lse=True, backend="fused")
+    ref, ref_lse = attnkit.attention_reference(q, k, k, return_lse=True)
+    assert not fwd
+    assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)

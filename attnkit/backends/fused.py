@@ -22,7 +22,7 @@ This is a private torch API, so it is used only behind a version check; where it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -111,9 +111,62 @@ class FusedPlan:
     plan: Plan
     pieces: List[Piece]
     whole: bool  # one call on the whole problem, no mask
+    #: padded batches run row by row on their true lengths: (b, len_q, len_kv, spec, plan)
+    batches: Optional[List[Tuple[int, int, int, AttentionSpec, FusedPlan]]] = None
+
+
+def _splittable(spec: AttentionSpec) -> bool:
+    return ((spec.seqlens_q is not None or spec.seqlens_kv is not None)
+            and spec.block_mask is None and spec.segments_q is None and spec.row_offset is None)
+
+
+def _shift_batch(mod: Optional[Callable], b0: int) -> Optional[Callable]:
+    """A mod that sees batch index b0 + b (a batch row run on its own keeps its index)."""
+    if mod is None:
+        return None
+
+    def shifted(*args):
+        *head, b, h, i, j = args
+        return mod(*head, b + b0, h, i, j)
+
+    bias = getattr(mod, "_attnkit_bias", None)
+    if callable(bias):
+        shifted._attnkit_bias = _shift_batch(bias, b0)  # type: ignore[attr-defined]
+    shifted.__name__ = getattr(mod, "__name__", "mod")
+    return shifted
+
+
+def _batch_row_spec(spec: AttentionSpec, b: int, sq: int, sk: int) -> AttentionSpec:
+    """Batch row ``b`` cut to its true lengths: padding becomes plain shape."""
+
+    def cut(x: Optional[Tensor]) -> Optional[Tensor]:
+        if x is None:
+            return None
+        x = x[b:b + 1] if x.shape[0] > 1 else x
+        x = x[:, :, :sq] if x.shape[2] > 1 else x
+        return x[:, :, :, :sk] if x.shape[3] > 1 else x
+
+    slopes = spec.alibi_slopes
+    if slopes is not None and slopes.shape[0] > 1:
+        slopes = slopes[b:b + 1]
+    return replace(spec, q=spec.q[b:b + 1, :, :sq], k=spec.k[b:b + 1, :, :sk],
+                   v=spec.v[b:b + 1, :, :sk], batch_shape=(1,), mask=cut(spec.mask),
+                   bias=cut(spec.bias), alibi_slopes=slopes, seqlens_q=None, seqlens_kv=None,
+                   mask_mod=_shift_batch(spec.mask_mod, b),
+                   score_mod=_shift_batch(spec.score_mod, b), sinks=None, extras={})
 
 
 def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
+    if _splittable(spec):
+        plan = make_plan(spec, bq=BLOCK, bk=BLOCK)  # for a tiled backward, if one is needed
+        rows = []
+        for b in range(spec.n):
+            sq = spec.lq if spec.seqlens_q is None else int(spec.seqlens_q[b])
+            sk = spec.lk if spec.seqlens_kv is None else int(spec.seqlens_kv[b])
+            if sq and sk:
+                sub = _batch_row_spec(spec, b, sq, sk)
+                rows.append((b, sq, sk, sub, make_fused_plan(sub)))
+        return FusedPlan(plan=plan, pieces=[], whole=False, batches=rows)
     bs = BLOCK
     if spec.block_mask is not None:
         b = spec.block_mask.BLOCK_SIZE
@@ -377,8 +430,23 @@ def _mask_dtype(spec: AttentionSpec) -> torch.dtype:
 def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     """Run the schedule; merge pieces by LSE. Returns compute-dtype output, LSE, max scores."""
     cd = spec.compute_dtype
-    inp = _Inputs(spec)
     n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
+    if fplan.batches is not None:
+        out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+        lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
+        for b, sq, _, sub, sub_plan in fplan.batches:
+            r = forward(sub, sub_plan)
+            out[b:b + 1, :, :sq] = r.out
+            lse[b:b + 1, :, :sq] = r.lse
+        if spec.sinks is not None:
+            out, lse = _add_sinks(spec, out, lse)
+        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+    if fplan.whole and spec.lq * spec.groups <= SMALL_Q:
+        out, lse = _small_q_forward(spec)
+        if spec.sinks is not None:
+            out, lse = _add_sinks(spec, out, lse)
+        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+    inp = _Inputs(spec)
     if fplan.whole:
         out, lse = FWD_OP(inp.q, inp.k, inp.v, 0.0, False, scale=spec.scale)
         out, lse = out[..., :dv], lse.to(cd)
@@ -421,6 +489,24 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     if spec.sinks is not None:
         out, lse = _add_sinks(spec, out, lse)
     return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+
+
+#: Query rows per key/value head up to which an unmasked call runs as two matmuls (decoding).
+SMALL_Q = 32
+
+
+def _small_q_forward(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """Decoding (few query rows): scores, softmax and output as plain matmuls, which read K
+    and V once at memory speed (the flash kernel is built for long query blocks)."""
+    cd = spec.compute_dtype  # scores in float32 like the kernel (bf16 scores lose digits)
+    n, hq, lq, _ = spec.q.shape
+    rows = spec.groups * lq
+    qg = (spec.q.to(cd) * spec.scale).reshape(n, spec.hkv, rows, -1)
+    s = torch.matmul(qg, spec.k.to(cd).transpose(-1, -2))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s.sub_(lse))
+    out = torch.matmul(p, spec.v.to(cd))
+    return out.reshape(n, hq, lq, -1), lse.reshape(n, hq, lq)
 
 
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
@@ -466,6 +552,8 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
     if needs_ds:
         return tiled.backward(spec, fplan.plan, out, lse, dout, dlse)
     cd = spec.compute_dtype
+    if fplan.batches is not None:
+        return _batched_backward(spec, fplan, out, lse, dout)
     inp = _Inputs(spec)
     dv_w = spec.dv
     lse_c = lse.to(torch.float64 if spec.q.dtype == torch.float64 else torch.float32)
@@ -503,6 +591,27 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         dsinks = -(p_sink * delta).sum(dim=(0, 2))
     return tiled.Grads(dq=dq[..., :d], dk=dk[..., :d], dv=dvv[..., :dv_w], dbias=None,
                        dsinks=dsinks, dparams=())
+
+
+def _batched_backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor,
+                      dout: Tensor) -> tiled.Grads:
+    cd = spec.compute_dtype
+    dq = torch.zeros(spec.q.shape, dtype=cd, device=spec.q.device)
+    dk = torch.zeros(spec.k.shape, dtype=cd, device=spec.q.device)
+    dvv = torch.zeros(spec.v.shape, dtype=cd, device=spec.q.device)
+    for b, sq, sk, sub, sub_plan in fplan.batches or []:
+        g = backward(sub, sub_plan, out[b:b + 1, :, :sq], lse[b:b + 1, :, :sq],
+                     dout[b:b + 1, :, :sq])
+        dq[b:b + 1, :, :sq] = g.dq
+        dk[b:b + 1, :, :sk] = g.dk
+        dvv[b:b + 1, :, :sk] = g.dv
+    dsinks = None
+    if spec.sinks is not None and spec.sinks.requires_grad:
+        lse_c = lse.to(cd)
+        lse_k = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+        delta = (dout.to(cd) * out.to(cd)).sum(-1)
+        dsinks = -(torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k) * delta).sum(dim=(0, 2))
+    return tiled.Grads(dq=dq, dk=dk, dv=dvv, dbias=None, dsinks=dsinks, dparams=())
 
 
 def make_executor_plan(spec: AttentionSpec) -> FusedPlan:
