@@ -181,6 +181,9 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
                     any=torch.ones(1, 1, dtype=torch.bool))  # one tile, nothing to plan
         return FusedPlan(plan=plan, pieces=[], whole=True)
     plan = make_plan(spec, bq=bq, bk=bk)
+    if (not has_additive_terms(spec) and bool(plan.any.all())
+            and all(bool(f.all()) for f in plan.term_full.values())):
+        return FusedPlan(plan=plan, pieces=[], whole=True)  # every pair turned out visible
     pieces = _whole_causal(spec, plan)
     if pieces is None:
         pieces = _segment_pieces(spec, plan)
