@@ -20,6 +20,7 @@ dim, Lmax the longest sequence of the batch.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -394,7 +395,58 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if seqlens_kv.numel() and int(seqlens_kv.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(seqlens_kv.min())}")
+    if _decode_fast_path_applies(q, k_pages, causal, diagonal, window, softcap, alibi_slopes,
+                                 backend):
+        out, lse = _decode_on_pages(q, k_pages, v_pages, block_table, seqlens_kv, scale)
+        return (out, lse) if return_lse else out
     k, v = gather_kv(k_pages, v_pages, block_table, seqlens_kv)
     return attention(q, k, v, seqlens_kv=seqlens_kv, causal=causal, diagonal=diagonal,
                      window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
                      return_lse=return_lse, backend=backend)
+
+
+def _decode_fast_path_applies(q: Tensor, k_pages: Tensor, causal: bool, diagonal: str,
+                              window: Any, softcap: Any, alibi_slopes: Any,
+                              backend: str) -> bool:
+    """One new token per sequence that sees all its keys, half precision, no gradient."""
+    sees_all = not causal or diagonal == "bottom_right"
+    return (q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+            and k_pages.dtype == q.dtype and q.device.type == "cpu" and sees_all
+            and window is None and softcap is None and alibi_slopes is None
+            and backend == "auto" and not (torch.is_grad_enabled() and q.requires_grad)
+            and q.shape[1] % k_pages.shape[2] == 0)
+
+
+def _decode_on_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                     seqlens: Tensor, scale: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """Decoding straight from the pages: each page is read in place as a strided batch of
+    heads (Hkv, tokens, D) for one batched matmul with the grouped queries (no gather, no copy
+    of K or V); scores and softmax in float32; the output accumulates page by page from P^T V.
+    Half-precision matmuls, as the inputs are."""
+    bsz, hq, _, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    dv = v_pages.shape[3]
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.zeros(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
+    lse = torch.full((bsz, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        length = int(seqlens[b])
+        if length == 0:
+            continue
+        pages = block_table[b, : -(-length // page)].tolist()
+        qh = (q[b, :, 0].float() * scale).to(q.dtype).view(hkv, g, d).transpose(1, 2)
+        # per page, heads as a strided batch: (Hkv, page, D) @ (Hkv, D, G), no copy of K
+        s = torch.cat([torch.bmm(k_pages[pg].permute(1, 0, 2), qh) for pg in pages], dim=1)
+        s = s[:, :length].float()  # (Hkv, L, G)
+        m = s.amax(1, keepdim=True)
+        p = torch.exp(s - m)
+        total = p.sum(1, keepdim=True)
+        lse[b, :, 0] = (m + torch.log(total)).view(hq)
+        pt = (p / total).to(q.dtype).transpose(1, 2)  # (Hkv, G, L)
+        o = torch.zeros(hkv, g, dv, dtype=torch.float32, device=q.device)
+        for idx, pg in enumerate(pages):
+            lo, hi = idx * page, min(length, (idx + 1) * page)
+            o += torch.bmm(pt[:, :, lo:hi], v_pages[pg, : hi - lo].permute(1, 0, 2)).float()
+        out[b, :, 0] = o.reshape(hq, dv).to(q.dtype)
+    return out, lse
