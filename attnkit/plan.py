@@ -63,10 +63,6 @@ class Plan:
         full = self.term_full.get(term)
         return full is not None and not bool(full[qb, kb])
 
-    def visible_pairs(self) -> int:
-        """Number of tiles with work (for reports and tests)."""
-        return int(self.any.sum())
-
 
 def choose_tiles(spec: AttentionSpec, budget: Optional[int] = None) -> Tuple[int, int]:
     """Tile sizes: a BlockMask's own blocks; otherwise key tiles of up to 512 and query tiles

@@ -126,11 +126,6 @@ class AttentionSpec:
             ip = ip + self.row_offset[q0:q1].view(1, 1, -1, 1)
         return ip
 
-    @property
-    def needs_score_grad_graph(self) -> bool:
-        """The backward must differentiate a user score_mod with autograd."""
-        return self.score_mod is not None
-
     def output_shape(self, last: int) -> Tuple[int, ...]:
         if self.squeeze_heads:
             return (self.lq, last)
