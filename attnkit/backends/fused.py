@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..merge import merge_state
 from ..plan import ANALYTIC_TERMS, Plan, make_plan, range_visibility, tile_visibility
 from ..spec import AttentionSpec
 from . import tiled
@@ -478,7 +479,8 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
             out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
             lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
         if (piece.q0, piece.q1) in started:
-            _merge_into(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
+            o_m, l_m = merge_state(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
+            out[:, :, qs], lse[:, :, qs] = o_m, l_m
         else:
             started.add((piece.q0, piece.q1))
             out[:, :, qs] = o
@@ -528,16 +530,6 @@ def _no_max(lse: Tensor) -> Tensor:
     # The fused kernel does not report row maxima; callers that ask for them use the tiled
     # executor (see api). NaN marks "not computed" rather than a wrong number.
     return torch.full((), float("nan"), dtype=lse.dtype, device=lse.device).expand(lse.shape)
-
-
-def _merge_into(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
-    """In place: (out, lse) <- merge of (out, lse) and (o, l); -inf LSEs contribute nothing."""
-    new = torch.logaddexp(lse, l)
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(lse - safe).unsqueeze(-1)
-    w_new = torch.exp(l - safe).unsqueeze(-1)
-    out.copy_(out * w_old + o * w_new)
-    lse.copy_(new)
 
 
 def _add_sinks(spec: AttentionSpec, out: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
