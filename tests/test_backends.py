@@ -150,3 +150,20 @@ def test_paged_decode_fast_path_matches_the_general_path(dtype, monkeypatch):
         ok, err, base = fa_tolerance_ok(out[b], ref, plain)
         assert ok, (err, base)
         assert torch.allclose(lse[b].double(), ref_lse, atol=1e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(3, 1)),
+                                dict(seqlens_kv=torch.tensor([9, 4]), causal=True,
+                                     diagonal="bottom_right")], ids=str)
+def test_lse_gradient_stays_on_the_fused_kernel(kw, monkeypatch):
+    """dlse rides in an extra head column of the fused backward (no tiled fallback)."""
+    tiled_bwd = _spy(monkeypatch, tiled, "backward")
+    g = torch.Generator().manual_seed(6)
+    q = rand(2, 4, 9, 8, gen=g, requires_grad=True)
+    k = rand(2, 2, 9, 8, gen=g, requires_grad=True)
+    v = rand(2, 2, 9, 6, gen=g, requires_grad=True)
+    sinks = rand(4, gen=g, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: attnkit.attention(q, k, v, sinks=s, return_lse=True,
+                                             backend="fused", **kw), (q, k, v, sinks))
+    assert not tiled_bwd

@@ -331,9 +331,9 @@ def _is_causal_diagonal(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> bo
 
 
 class _Inputs:
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, extra: int = 0):
         d, dv = spec.q.shape[-1], spec.dv
-        self.width = max(d, dv)
+        self.width = max(d, dv) + extra
         self.q = _pad(spec.q, self.width)
         self.k = _pad(spec.k, self.width)
         self.v = _pad(spec.v, self.width)
@@ -540,21 +540,25 @@ def _add_sinks(spec: AttentionSpec, out: Tensor, lse: Tensor) -> Tuple[Tensor, T
 
 def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> tiled.Grads:
-    """Fused backward per forward piece with the row's final out and LSE; learnable additive
-    terms and LSE gradients go to the tiled backward."""
-    needs_ds = (dlse is not None or (spec.bias is not None and spec.bias.requires_grad)
-                or bool(spec.score_mod_params))
+    """Fused backward per forward piece with the row's final out and LSE. An LSE gradient
+    rides in an extra head column (out = 1, dout = -dlse, v = 0), so the kernel's
+    D = rowsum(dout * out) becomes D - dlse; learnable additive terms need dS itself and go to
+    the tiled backward."""
+    needs_ds = (spec.bias is not None and spec.bias.requires_grad) or bool(spec.score_mod_params)
     if needs_ds:
         return tiled.backward(spec, fplan.plan, out, lse, dout, dlse)
     cd = spec.compute_dtype
     if fplan.batches is not None:
-        return _batched_backward(spec, fplan, out, lse, dout)
-    inp = _Inputs(spec)
+        return _batched_backward(spec, fplan, out, lse, dout, dlse)
+    inp = _Inputs(spec, extra=0 if dlse is None else 1)
     dv_w = spec.dv
     lse_c = lse.to(torch.float64 if spec.q.dtype == torch.float64 else torch.float32)
     lse_k = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
     out_p = _pad(out, inp.width)
     dout_p = _pad(dout.to(out.dtype), inp.width)
+    if dlse is not None:
+        out_p[..., -1] = 1.0
+        dout_p[..., -1] = -dlse.to(dout_p.dtype)
     md = _mask_dtype(spec)
     if fplan.whole:
         dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False,
@@ -581,22 +585,31 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
     d = spec.q.shape[-1]
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
-        delta = (dout.to(cd) * out.to(cd)).sum(-1)
-        p_sink = torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k.to(cd))
-        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+        dsinks = _sink_grad(spec, out, lse_k.to(cd), dout, dlse)
     return tiled.Grads(dq=dq[..., :d], dk=dk[..., :d], dv=dvv[..., :dv_w], dbias=None,
                        dsinks=dsinks, dparams=())
 
 
+def _sink_grad(spec: AttentionSpec, out: Tensor, lse_k: Tensor, dout: Tensor,
+               dlse: Optional[Tensor]) -> Tensor:
+    """d loss / d sink_h = sum over rows of p_sink * (dlse - rowsum(dout * out))."""
+    cd = spec.compute_dtype
+    delta = (dout.to(cd) * out.to(cd)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(cd)
+    p_sink = torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
 def _batched_backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor,
-                      dout: Tensor) -> tiled.Grads:
+                      dout: Tensor, dlse: Optional[Tensor]) -> tiled.Grads:
     cd = spec.compute_dtype
     dq = torch.zeros(spec.q.shape, dtype=cd, device=spec.q.device)
     dk = torch.zeros(spec.k.shape, dtype=cd, device=spec.q.device)
     dvv = torch.zeros(spec.v.shape, dtype=cd, device=spec.q.device)
     for b, sq, sk, sub, sub_plan in fplan.batches or []:
         g = backward(sub, sub_plan, out[b:b + 1, :, :sq], lse[b:b + 1, :, :sq],
-                     dout[b:b + 1, :, :sq])
+                     dout[b:b + 1, :, :sq], None if dlse is None else dlse[b:b + 1, :, :sq])
         dq[b:b + 1, :, :sq] = g.dq
         dk[b:b + 1, :, :sk] = g.dk
         dvv[b:b + 1, :, :sk] = g.dv
@@ -604,8 +617,7 @@ def _batched_backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: T
     if spec.sinks is not None and spec.sinks.requires_grad:
         lse_c = lse.to(cd)
         lse_k = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
-        delta = (dout.to(cd) * out.to(cd)).sum(-1)
-        dsinks = -(torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k) * delta).sum(dim=(0, 2))
+        dsinks = _sink_grad(spec, out, lse_k, dout, dlse)
     return tiled.Grads(dq=dq, dk=dk, dv=dvv, dbias=None, dsinks=dsinks, dparams=())
 
 
