@@ -4,17 +4,21 @@ torch (>= 2.2) ships ``aten::_scaled_dot_product_flash_attention_for_cpu`` and i
 twin: a fused, multithreaded FlashAttention for CPU that returns the log-sum-exp and takes an
 additive mask. attnkit uses it as a kernel and does the planning itself:
 
-- no mask term and no additive term: one call on the whole problem (torch's own speed);
-- otherwise, per query block, the key blocks with work are split into runs of *full* blocks
-  (one call each, no mask) and the *partial* blocks (one call on the gathered keys with an
-  additive mask built from the spec's mask terms, or ``is_causal`` for a lone diagonal block);
+- no mask term and no additive term (or every pair visible): one call on the whole problem
+  (torch's own speed); decoding rows (few queries per key/value head) use two matmuls;
+- plain causal, either diagonal: at most two calls on the whole problem;
+- documents / packed sequences (sorted segments, optionally causal): one call per segment;
+- padded batches (seqlens): each batch row on its true lengths;
+- otherwise, per query block, the key blocks with work: a short contiguous footprint (a band)
+  is one masked call; long runs of *full* blocks go without a mask and the *partial* blocks get
+  one call on the gathered keys with an additive mask built from the spec's mask terms;
   additive score terms (bias, ALiBi, additive score_mods) make one masked call over every key
   block with work. Pieces merge by their LSE.
 - backward calls the fused backward once per forward piece with the *final* output and LSE of
   the whole row, which is exact (P = exp(S - lse_row) for the piece's keys), and accumulates
-  dq, dk, dv. Learnable bias or score_mod tensors, and a gradient through the LSE, need dS
-  itself, which the fused kernel does not expose: those backwards run on the tiled executor
-  (same math, same result).
+  dq, dk, dv; an LSE gradient rides in an extra head column. Learnable bias or score_mod
+  tensors need dS itself, which the fused kernel does not expose: those backwards run on the
+  tiled executor (same math, same result).
 
 This is a private torch API, so it is used only behind a version check; where it is missing
 ``not_supported_reasons`` says so and the tiled executor runs.
