@@ -36,6 +36,8 @@ class Plan:
     any: Tensor  # (nqb, nkb) bool: the tile may hold a visible pair
     term_full: Dict[str, Tensor] = field(default_factory=dict)  # term -> (nqb, nkb) bool
     vis_cache: Dict[Tuple[int, int], Tensor] = field(default_factory=dict)  # mask_mod tiles
+    #: BlockMask blocks per (batch * head, qb, kb): (listed = partial or full, full)
+    block_tiles: Optional[Tuple[Tensor, Tensor]] = None
     _rows: Optional[List[List[int]]] = None
 
     @property
@@ -162,15 +164,8 @@ def _mask_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int):
 
 
 def _block_mask_status(spec: AttentionSpec, nqb: int, nkb: int):
-    bm = spec.block_mask
-    listed = bm.to_dense().bool()  # (B|1, H|1, nqb, nkb)
-    full = torch.zeros_like(listed)
-    if bm.full_kv_num_blocks is not None:
-        full = type(bm).from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices,
-                                       BLOCK_SIZE=bm.BLOCK_SIZE,
-                                       seq_lengths=bm.seq_lengths).to_dense().bool()
-    listed = listed.flatten(0, 1)[:, :nqb, :nkb]
-    full = full.flatten(0, 1)[:, :nqb, :nkb]
+    kinds = spec.block_mask.block_kinds().flatten(0, 1)[:, :nqb, :nkb]  # (B|1 * H|1, nqb, nkb)
+    listed, full = kinds > 0, kinds == 2  # 0 empty, 1 partial, 2 full
     return listed.any(0), full.all(0), listed, full
 
 
@@ -185,6 +180,7 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
     nqb, nkb = qs.numel(), ks.numel()
     any_ = torch.ones(nqb, nkb, dtype=torch.bool, device=dev)
     term_full: Dict[str, Tensor] = {}
+    block_tiles = None
     if spec.lq == 0 or spec.lk == 0:  # nothing to attend: every tile is empty
         any_.zero_()
         return Plan(bq=bq, bk=bk, lq=spec.lq, lk=spec.lk, any=any_.cpu())
@@ -208,15 +204,15 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
         a, f, listed, full = _block_mask_status(spec, nqb, nkb)
         any_ &= a
         term_full["block_mask"] = f
-        spec.extras["block_listed"] = listed
-        spec.extras["block_full"] = full
+        block_tiles = (listed.cpu(), full.cpu())
     cache: Dict[Tuple[int, int], Tensor] = {}
     if spec.mask_mod is not None:
         a, f = _mask_mod_status(spec, bq, bk, nqb, nkb, any_, cache)
         any_ &= a
         term_full["mask_mod"] = f
     return Plan(bq=bq, bk=bk, lq=spec.lq, lk=spec.lk, any=any_.cpu(),
-                term_full={k: v.cpu() for k, v in term_full.items()}, vis_cache=cache)
+                term_full={k: v.cpu() for k, v in term_full.items()}, vis_cache=cache,
+                block_tiles=block_tiles)
 
 
 #: Bytes of partial mask_mod tiles a plan keeps (beyond that they are evaluated again).
@@ -311,8 +307,8 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
     j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
     b = h = None
     if plan.needs("block_mask", qb, kb):
-        listed = spec.extras["block_listed"][:, qb, kb]
-        full = spec.extras["block_full"][:, qb, kb]
+        listed = plan.block_tiles[0][:, qb, kb].to(dev)
+        full = plan.block_tiles[1][:, qb, kb].to(dev)
         nb, nh = spec.block_mask.kv_num_blocks.shape[:2]
         listed = listed.view(nb, nh, 1, 1)
         full = full.view(nb, nh, 1, 1)

@@ -50,12 +50,9 @@ def _block_mask_dense(spec: AttentionSpec, b: Tensor, h: Tensor, i: Tensor, j: T
     Full blocks are visible without evaluating the mask_mod."""
     bm = spec.block_mask
     bq, bk = bm.BLOCK_SIZE
-    dense_blocks = bm.to_dense().bool()  # (B|1, H|1, nqb, nkb): listed blocks (partial or full)
-    full_blocks = torch.zeros_like(dense_blocks)
-    if bm.full_kv_num_blocks is not None:
-        fb = type(bm).from_kv_blocks(bm.full_kv_num_blocks, bm.full_kv_indices,
-                                     BLOCK_SIZE=bm.BLOCK_SIZE, seq_lengths=bm.seq_lengths)
-        full_blocks = fb.to_dense().bool()
+    kinds = bm.block_kinds()  # (B|1, H|1, nqb, nkb): 0 empty, 1 partial, 2 full
+    dense_blocks, full_blocks = kinds > 0, kinds == 2
+
     def expand(blocks: Tensor) -> Tensor:
         x = blocks.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
         return x[..., : spec.lq, : spec.lk]

@@ -22,7 +22,7 @@ The score pipeline, in this order, for query i and key j (i' = i + diagonal offs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
 import torch
@@ -67,7 +67,6 @@ class AttentionSpec:
     #: segment ids (Lq,), (Lk,): a pair is visible only within one segment (varlen, documents)
     segments_q: Optional[Tensor] = None
     segments_kv: Optional[Tensor] = None
-    extras: dict = field(default_factory=dict)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property

@@ -158,7 +158,7 @@ def _batch_row_spec(spec: AttentionSpec, b: int, sq: int, sk: int) -> AttentionS
                    v=spec.v[b:b + 1, :, :sk], batch_shape=(1,), mask=cut(spec.mask),
                    bias=cut(spec.bias), alibi_slopes=slopes, seqlens_q=None, seqlens_kv=None,
                    mask_mod=_shift_batch(spec.mask_mod, b),
-                   score_mod=_shift_batch(spec.score_mod, b), sinks=None, extras={})
+                   score_mod=_shift_batch(spec.score_mod, b), sinks=None)
 
 
 def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
@@ -596,13 +596,11 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
 
 def _sink_grad(spec: AttentionSpec, out: Tensor, lse_k: Tensor, dout: Tensor,
                dlse: Optional[Tensor]) -> Tensor:
-    """d loss / d sink_h = sum over rows of p_sink * (dlse - rowsum(dout * out))."""
     cd = spec.compute_dtype
     delta = (dout.to(cd) * out.to(cd)).sum(-1)
     if dlse is not None:
         delta = delta - dlse.to(cd)
-    p_sink = torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_k)
-    return -(p_sink * delta).sum(dim=(0, 2))
+    return tiled.sink_gradient(spec, lse_k, delta)
 
 
 def _batched_backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor,

@@ -263,9 +263,16 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
         dq[:, :, q0:q1] = (dq_acc * t.q_scale).view(n, hq, q1 - q0, -1)
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
-        p_sink = torch.exp(spec.sinks.to(cd).view(1, hq, 1) - lse_safe)
-        dsinks = -(p_sink * delta).sum(dim=(0, 2))
+        dsinks = sink_gradient(spec, lse_safe, delta)
     return Grads(dq=dq, dk=dk, dv=dvv, dbias=dbias, dsinks=dsinks, dparams=tuple(dparams))
+
+
+def sink_gradient(spec: AttentionSpec, lse_safe: Tensor, delta: Tensor) -> Tensor:
+    """d loss / d sink_h = -sum over rows of exp(sink_h - lse) * delta, where
+    delta = rowsum(dout * out) - dlse and lse_safe is +inf for rows without keys."""
+    cd = spec.compute_dtype
+    p_sink = torch.exp(spec.sinks.to(cd).view(1, -1, 1) - lse_safe.to(cd))
+    return -(p_sink * delta).sum(dim=(0, 2))
 
 
 def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tensor,
