@@ -264,36 +264,19 @@ class PagedKVCache:
         return "\n".join(lines)
 
 
-def gather_kv(
-    k_pages: Tensor,
-    v_pages: Tensor,
-    block_table: Tensor,
-    seqlens: Tensor,
-    max_seqlen: Optional[int] = None,
-) -> Tuple[Tensor, Tensor]:
-    """Copy paged keys/values into contiguous, zero-padded per-sequence tensors.
-
-    Args:
-        k_pages: ``(num_pages, page_size, Hkv, Dqk)``.
-        v_pages: ``(num_pages, page_size, Hkv, Dv)``.
-        block_table: integer ``(B, max_pages)``; entries a sequence uses must lie in
-            ``[0, num_pages)``, the rest (padding, 0 or -1) are ignored.
-        seqlens: integer ``(B,)``, ``0 <= seqlens[b] <= max_pages * page_size``.
-        max_seqlen: ``Lmax``; defaults to ``seqlens.max()`` (which synchronises a GPU).
-
-    Returns:
-        ``k (B, Hkv, Lmax, Dqk)`` and ``v (B, Hkv, Lmax, Dv)``, contiguous, zero past
-        ``seqlens[b]``.
-    """
+def _check_pages(k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                 seqlens: Tensor) -> Tensor:
+    """Validate paged K/V, a block table and lengths; return the lengths as int64. Every page
+    a sequence uses (the first ``ceil(seqlens[b] / page_size)`` entries of its row) must be a
+    page index; the rest of the row is padding and ignored."""
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         if not isinstance(x, Tensor) or x.dim() != 4:
             raise ValueError(
                 f"{name} must be a 4-D tensor (num_pages, page_size, Hkv, D), got "
                 f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    N, P, Hkv, Dk = k_pages.shape
+    N, P, Hkv = k_pages.shape[:3]
     if P == 0:
         raise ValueError("k_pages has page_size 0 (dim 1); pages must hold at least one token")
-    Dv = v_pages.shape[3]
     if tuple(v_pages.shape[:3]) != (N, P, Hkv):
         raise ValueError(
             f"k_pages {tuple(k_pages.shape)} and v_pages {tuple(v_pages.shape)} must agree in "
@@ -321,6 +304,43 @@ def gather_kv(
             raise ValueError(
                 f"seqlens must lie in [0, max_pages * page_size] = [0, {width * P}], got values "
                 f"in [{lo}, {hi}]; the block table has too few columns for these lengths")
+    used = torch.arange(width, device=device) < (-(-lens // P))[:, None]
+    bad = used & ((block_table < 0) | (block_table >= N))
+    if bool(bad.any()):
+        b, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {col}] = {int(block_table[b, col])} is not a page index in "
+            f"[0, {N}) but sequence {b} (length {int(lens[b])}) uses it for tokens "
+            f"{col * P}..{min(int(lens[b]), (col + 1) * P) - 1}")
+    return lens
+
+
+def gather_kv(
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_table: Tensor,
+    seqlens: Tensor,
+    max_seqlen: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Copy paged keys/values into contiguous, zero-padded per-sequence tensors.
+
+    Args:
+        k_pages: ``(num_pages, page_size, Hkv, Dqk)``.
+        v_pages: ``(num_pages, page_size, Hkv, Dv)``.
+        block_table: integer ``(B, max_pages)``; entries a sequence uses must lie in
+            ``[0, num_pages)``, the rest (padding, 0 or -1) are ignored.
+        seqlens: integer ``(B,)``, ``0 <= seqlens[b] <= max_pages * page_size``.
+        max_seqlen: ``Lmax``; defaults to ``seqlens.max()`` (which synchronises a GPU).
+
+    Returns:
+        ``k (B, Hkv, Lmax, Dqk)`` and ``v (B, Hkv, Lmax, Dv)``, contiguous, zero past
+        ``seqlens[b]``.
+    """
+    lens = _check_pages(k_pages, v_pages, block_table, seqlens)
+    N, P, Hkv, Dk = k_pages.shape
+    Dv = v_pages.shape[3]
+    device = k_pages.device
+    B, width = block_table.shape
     longest = int(lens.max()) if B else 0
     if max_seqlen is None:
         max_seqlen = longest
@@ -334,12 +354,6 @@ def gather_kv(
     valid = t < lens[:, None]  # (B, L)
     page = block_table.long()[:, torch.clamp(t // P, max=max(width - 1, 0))] if width else \
         torch.zeros(B, L, dtype=torch.long, device=device)
-    bad = valid & ((page < 0) | (page >= N))
-    if bool(bad.any()):
-        b, tok = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"block_table[{b}, {tok // P}] = {int(page[b, tok])} is not a page index in "
-            f"[0, {N}) but sequence {b} (length {int(lens[b])}) uses it for token {tok}")
     if N * P == 0:  # nothing to read (so every length is 0)
         return (torch.zeros(B, Hkv, L, Dk, dtype=k_pages.dtype, device=device),
                 torch.zeros(B, Hkv, L, Dv, dtype=v_pages.dtype, device=device))
@@ -395,25 +409,60 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if seqlens_kv.numel() and int(seqlens_kv.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(seqlens_kv.min())}")
-    if _decode_fast_path_applies(q, k_pages, causal, diagonal, window, softcap, alibi_slopes,
-                                 backend):
-        out, lse = _decode_on_pages(q, k_pages, v_pages, block_table, seqlens_kv, scale)
-        return (out, lse) if return_lse else out
+    if backend in ("auto", "native"):
+        from . import native
+
+        reasons = native.decode_reasons(q, k_pages, v_pages)
+        if not reasons:
+            return _native_decode(q, k_pages, v_pages, block_table, seqlens_kv, causal=causal,
+                                  diagonal=diagonal, window=window, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, scale=scale,
+                                  return_lse=return_lse)
+        if backend == "native":
+            raise NotImplementedError("backend='native' cannot run this call: "
+                                      + "; ".join(reasons) + ". Use backend='auto' to let "
+                                      "attnkit choose.")
+        if _decode_fast_path_applies(q, k_pages, causal, diagonal, window, softcap,
+                                     alibi_slopes):
+            out, lse = _decode_on_pages(q, k_pages, v_pages, block_table, seqlens_kv, scale)
+            return (out, lse) if return_lse else out
     k, v = gather_kv(k_pages, v_pages, block_table, seqlens_kv)
     return attention(q, k, v, seqlens_kv=seqlens_kv, causal=causal, diagonal=diagonal,
                      window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
                      return_lse=return_lse, backend=backend)
 
 
+def _native_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                   seqlens_kv: Tensor, *, return_lse: bool, **options: Any) -> Any:
+    """The native kernel on the pages in place. Every option is validated and normalised by
+    the same :func:`~attnkit.spec.build_spec` as a dense call, on zero-stride stand-ins for
+    the gathered K/V (nothing is allocated)."""
+    from . import native
+    from .spec import build_spec
+
+    lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
+    bsz, width = block_table.shape
+    _, page, hkv, d = k_pages.shape
+    lk = width * page
+    k_stub = k_pages.new_zeros(()).expand(bsz, hkv, lk, d)
+    v_stub = v_pages.new_zeros(()).expand(bsz, hkv, lk, v_pages.shape[3])
+    spec = build_spec(q, k_stub, v_stub, seqlens_kv=lens, **options)
+    out, lse = native.paged_decode(
+        q, k_pages, v_pages, block_table, lens, scale=spec.scale, causal=options["causal"],
+        diagonal=spec.diagonal, window=(spec.left, spec.right), softcap=spec.softcap,
+        alibi_slopes=spec.alibi_slopes)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
 def _decode_fast_path_applies(q: Tensor, k_pages: Tensor, causal: bool, diagonal: str,
-                              window: Any, softcap: Any, alibi_slopes: Any,
-                              backend: str) -> bool:
+                              window: Any, softcap: Any, alibi_slopes: Any) -> bool:
     """One new token per sequence that sees all its keys, half precision, no gradient."""
     sees_all = not causal or diagonal == "bottom_right"
     return (q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16)
             and k_pages.dtype == q.dtype and q.device.type == "cpu" and sees_all
             and window is None and softcap is None and alibi_slopes is None
-            and backend == "auto" and not (torch.is_grad_enabled() and q.requires_grad)
+            and not (torch.is_grad_enabled() and q.requires_grad)
             and q.shape[1] % k_pages.shape[2] == 0)
 
 

@@ -58,5 +58,17 @@ def backend(request):
 
 
 @pytest.fixture
+def fresh_native(monkeypatch):
+    """Let a test change the native kernel's build environment (ATTNKIT_NATIVE, CC,
+    ATTNKIT_CACHE_DIR); the kernel is reloaded before and after."""
+    from attnkit import native
+
+    native._reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    native._reset()
+
+
+@pytest.fixture
 def reference():
     return attention_reference

@@ -119,12 +119,14 @@ def test_decode_rows_use_the_matmul_path(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_decode_fast_path_matches_the_general_path(dtype, monkeypatch):
+def test_paged_decode_fast_path_matches_the_general_path(dtype, fresh_native):
+    """Without the native kernel, half-precision decoding reads the pages with matmuls."""
     from conftest import fa_tolerance_ok, naive_attention
 
     from attnkit import paged
 
-    calls = _spy(monkeypatch, paged, "_decode_on_pages")
+    fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    calls = _spy(fresh_native, paged, "_decode_on_pages")
     g = torch.Generator().manual_seed(5)
     cache = paged.PagedKVCache(12, 4, 2, 8, dtype=dtype)
     lengths = {"a": 9, "b": 4, "c": 13}

@@ -505,9 +505,17 @@ SMALL_Q = 32
 
 
 def _small_q_forward(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-    """Decoding (few query rows): scores, softmax and output as plain matmuls, which read K
-    and V once at memory speed (the flash kernel is built for long query blocks)."""
+    """Decoding (few query rows): the native decode kernel where it runs (one pass over K and
+    V, float32 math), else scores, softmax and output as plain matmuls (the flash kernel is
+    built for long query blocks)."""
     cd = spec.compute_dtype  # scores in float32 like the kernel (bf16 scores lose digits)
+    if spec.q.dtype != torch.float64:
+        from .. import native
+
+        q, k, v = (x.detach() for x in (spec.q, spec.k, spec.v))
+        if not native.decode_reasons(q, k, v, grad_ok=True):
+            out, lse = native.dense_decode(q, k, v, spec.scale)
+            return out.to(cd), lse.to(cd)
     n, hq, lq, _ = spec.q.shape
     rows = spec.groups * lq
     qg = (spec.q.to(cd) * spec.scale).reshape(n, spec.hkv, rows, -1)

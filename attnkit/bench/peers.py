@@ -211,7 +211,10 @@ class Attnkit(Peer):
         if "varlen" in case.extra:
             return ["varlen_attention; pack/unpack inside the call"]
         if "page_size" in case.extra:
-            return [f"paged_attention, {case.extra['page_size']}-token shuffled pages"]
+            from attnkit import native
+
+            return [f"paged_attention, {case.extra['page_size']}-token shuffled pages; "
+                    f"{native.describe()}"]
         if "dropout_p" in case.extra:
             return ["replayable dropout; err vs reference with its own keep mask"]
         if case.documents or case.prefix:

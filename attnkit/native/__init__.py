@@ -1,0 +1,304 @@
+"""The native decode kernel: attention of a few query rows over a paged KV cache, in C.
+
+Decoding reads every cached key and value once per generated token, so it is bound by memory
+bandwidth; torch's matmuls with a handful of query rows per head reach about half of what the
+memory can deliver and a paged cache adds one call per page. ``decode.c`` reads the pages in
+place, front to back, dots each key row with all the query rows of its kv head and keeps the
+online softmax in float32 (see the comment at its top).
+
+It is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
+into a cache folder (``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit`` or
+``~/.cache/attnkit``), keyed by the source, the compiler, the flags and this CPU, and loaded
+with :mod:`ctypes`. Without a compiler, or with ``ATTNKIT_NATIVE=0``, :func:`available` is
+False, :func:`unavailable_reason` says why and attnkit uses its torch executors instead.
+
+Long contexts with few sequences are split across threads by key range (flash-decoding) and
+the partial states merged by log-sum-exp with :func:`attnkit.merge.merge_states`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
+           "MAX_QUERY_ROWS"]
+
+_SOURCE = Path(__file__).with_name("decode.c")
+_ABI = 3  # AK_ABI in decode.c
+_FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
+MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib", "reason", "info" once loading was tried
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("ATTNKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnkit"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    parts = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features", "model name", "CPU part") and key not in parts:
+                    parts += [key, line.strip()]
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def _compiler() -> Optional[str]:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or (cc if os.path.isfile(cc) else None)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
+    """Compile decode.c into ``out``; None on success, else the compiler's complaint."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *_FLAGS, *extra, str(_SOURCE), "-o", tmp, "-lm", "-lpthread"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)} failed to run: {exc}"
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        err = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"{' '.join(cmd)} exited with {proc.returncode}: {' | '.join(err[-3:])}"
+    os.replace(tmp, out)  # atomic: a concurrent builder sees the old file or the whole new one
+    return None
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
+    if os.environ.get("ATTNKIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "disabled by ATTNKIT_NATIVE=0", {}
+    cc = _compiler()
+    if cc is None:
+        return None, ("no C compiler found (set CC, or install cc/gcc/clang) to build the "
+                      "native decode kernel"), {}
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"cannot read {_SOURCE}: {exc}", {}
+    info: dict = {"compiler": cc}
+    for extra in (("-march=native",), ()):
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
+                                         _cpu_signature().encode()])).hexdigest()[:16]
+        folder = _cache_dir()
+        path = folder / f"attnkit_decode_{key}.so"
+        info.update(path=str(path), flags=" ".join(_FLAGS + extra), cached=path.exists())
+        if not path.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                return None, f"cannot create the kernel cache folder {folder}: {exc}", info
+            t0 = time.perf_counter()
+            err = _compile(cc, path, extra)
+            info["build_s"] = time.perf_counter() - t0
+            if err is not None:
+                info["error"] = err
+                continue  # retry without -march=native (a compiler that lacks it)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            return None, f"cannot load {path}: {exc}", info
+        if lib.attnkit_native_abi() != _ABI:
+            return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, i64, i64, i32, i32,
+                                       i32, i64, i64, f32, p, p, p, i32]
+        lib.attnkit_decode.restype = i32
+        info["f16"] = bool(lib.attnkit_native_has_f16())
+        info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
+        return lib, None, info
+    return None, f"building the native decode kernel failed: {info.get('error')}", info
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    with _lock:
+        if not _state:
+            lib, reason, info = _load()
+            _state.update(lib=lib, reason=reason, info=info)
+        return _state["lib"]
+
+
+def available() -> bool:
+    """Whether the native kernel is built (building it now if needed) and loadable."""
+    return _lib() is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the native kernel cannot be used, or None when it can."""
+    _lib()
+    return _state["reason"]
+
+
+def build_info() -> dict:
+    """Compiler, flags, library path, whether it came from the cache, build seconds."""
+    _lib()
+    return dict(_state["info"])
+
+
+def _reset() -> None:
+    """Forget the loaded kernel so the next call rebuilds/reloads it (tests)."""
+    with _lock:
+        _state.clear()
+
+
+def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor,
+                   grad_ok: bool = False) -> List[str]:
+    """Why :func:`paged_decode` cannot run this call (empty when it can). The kernel has no
+    backward: ``grad_ok`` says the caller differentiates by other means (the fused executor
+    runs torch's backward from the kernel's output and LSE)."""
+    reasons = []
+    if _lib() is None:
+        reasons.append(f"native kernel unavailable: {_state['reason']}")
+    if any(x.device.type != "cpu" for x in (q, k_pages, v_pages)):
+        reasons.append("native kernel runs on CPU tensors only")
+    if k_pages.dtype not in _DTYPES or v_pages.dtype != k_pages.dtype or q.dtype != k_pages.dtype:
+        reasons.append(f"native kernel needs q, k_pages and v_pages of one dtype among float32, "
+                       f"bfloat16, float16; got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    elif k_pages.dtype == torch.float16 and _state.get("info", {}).get("f16") is False:
+        reasons.append("native kernel was built by a compiler without _Float16 support")
+    if q.shape[-1] % 16 or v_pages.shape[-1] % 16:
+        reasons.append(f"native kernel needs head dims that are multiples of 16; got "
+                       f"Dqk={q.shape[-1]}, Dv={v_pages.shape[-1]}")
+    if q.shape[2] > MAX_QUERY_ROWS:
+        reasons.append(f"native kernel is for decoding (Lq <= {MAX_QUERY_ROWS}); Lq={q.shape[2]} "
+                       f"is matmul work")
+    if (not grad_ok and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q, k_pages, v_pages))):
+        reasons.append("native kernel has no backward; inputs require grad")
+    if any(x.stride(-1) != 1 or min(x.stride()) < 0 for x in (k_pages, v_pages)):
+        reasons.append("native kernel needs pages with a unit-stride last dim")
+    if q.shape[0] == 0 or q.shape[2] == 0:
+        reasons.append("nothing to compute (empty batch or no query rows)")
+    return reasons
+
+
+def _splits(batch: int, keys: int, threads: int) -> int:
+    """Key splits per sequence (flash-decoding): enough work items to give every thread one,
+    each split at least 1024 keys long so the merge stays cheap."""
+    if threads <= 1 or batch >= threads:
+        return 1
+    want = -(-threads // max(batch, 1))
+    return max(1, min(want, keys // 1024))
+
+
+def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                 seqlens: Tensor, *, scale: float, causal: bool = True,
+                 diagonal: str = "bottom_right",
+                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                 softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+                 splits: Optional[int] = None, threads: Optional[int] = None,
+                 ) -> Tuple[Tensor, Tensor]:
+    """Attention of ``q (B, Hq, Lq, D)`` over paged keys/values, in the native kernel.
+
+    The caller has validated the shapes and the block table (every page a sequence uses lies
+    in ``[0, num_pages)``, ``Lq <= seqlens[b] <= max_pages * page_size``) and checked
+    :func:`decode_reasons`. Query row ``i`` of sequence ``b`` sits at position
+    ``i + seqlens[b] - Lq`` (bottom_right) or ``i`` (top_left) for ``causal``, ``window`` and
+    ALiBi; ``alibi_slopes`` is ``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)``. ``splits`` (key ranges
+    per sequence, merged by LSE) and ``threads`` default to :func:`_splits` and
+    ``torch.get_num_threads()``. Returns ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``,
+    both float32.
+    """
+    lib = _lib()
+    if lib is None:
+        raise NotImplementedError(f"native kernel unavailable: {_state['reason']}")
+    bsz, hq, lq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
+    dv = v_pages.shape[3]
+    threads = torch.get_num_threads() if threads is None else max(1, int(threads))
+    width = block_table.shape[1]
+    keys = width * page_size  # the longest a sequence can be
+    if splits is None:
+        splits = _splits(bsz, keys, threads)
+    splits = max(1, min(int(splits), keys))
+    per_split = -(-keys // splits)
+    if splits > 1:
+        per_split = -(-per_split // 64) * 64  # whole kernel chunks
+    splits = max(1, -(-keys // per_split))
+    qf = (q.to(torch.float32) * scale).contiguous()
+    # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale after)
+    qh = q.contiguous() if (q.dtype == torch.bfloat16 and d % 32 == 0
+                            and _state["info"].get("bf16_dot")) else None
+    bt = block_table.to(torch.int64).contiguous()
+    lens = seqlens.to(torch.int64).contiguous()
+    kst = torch.tensor(k_pages.stride()[:3], dtype=torch.int64)
+    vst = torch.tensor(v_pages.stride()[:3], dtype=torch.int64)
+    dims = torch.tensor([bsz, hq, hkv, lq, d, dv, page_size], dtype=torch.int64)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
+        slopes = slopes.contiguous()
+    left = -1 if window is None or window[0] is None else int(window[0])
+    right = -1 if window is None or window[1] is None else int(window[1])
+    out = torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32)
+    lse = torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
+    rc = lib.attnkit_decode(
+        qf.data_ptr(), qh.data_ptr() if qh is not None else None, float(scale),
+        k_pages.data_ptr(), v_pages.data_ptr(), kst.data_ptr(), vst.data_ptr(),
+        bt.data_ptr(), width, lens.data_ptr(), dims.data_ptr(), splits, per_split,
+        _DTYPES[k_pages.dtype], int(causal), int(diagonal == "bottom_right"), left, right,
+        float(softcap) if softcap is not None else 0.0,
+        slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),
+        threads)
+    if rc != 0:
+        raise MemoryError("native decode kernel could not allocate its scratch buffers")
+    if splits == 1:
+        o, l_ = out[0], lse[0]
+    else:
+        from ..merge import merge_states
+
+        o, l_ = merge_states(out, lse)
+    return o, l_
+
+
+def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """Unmasked attention of ``q (N, Hq, Lq, D)`` over contiguous-cache ``k (N, Hkv, Lk, D)``
+    and ``v``: each batch row's keys are read as one page of ``Lk`` tokens (a strided view,
+    no copy). Returns float32 ``out`` and ``lse``; the caller checked :func:`decode_reasons`
+    on ``(q, k, v)``."""
+    n, _, lk, _ = k.shape
+    table = torch.arange(n, dtype=torch.int64).view(n, 1)
+    lens = torch.full((n,), lk, dtype=torch.int64)
+    return paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table, lens, scale=scale,
+                        causal=False)
+
+
+def describe() -> Any:
+    """A one-line status for ``attnkit check`` and the benchmark notes."""
+    if not available():
+        return f"native decode kernel: unavailable ({unavailable_reason()})"
+    info = build_info()
+    how = "cached" if info.get("cached") else f"built in {info.get('build_s', 0.0):.1f} s"
+    return f"native decode kernel: {how} ({info.get('flags')})"

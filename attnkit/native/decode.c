@@ -1,0 +1,543 @@
+/* attnkit native decode kernel: attention of a few query rows per sequence over a paged
+ * key/value cache, read in place (no gather, no copy), in one pass over the pages.
+ *
+ * Built on first use by attnkit/native/__init__.py with the system C compiler and called
+ * through ctypes; the Python side validates every shape, stride, dtype and page index before
+ * calling, so nothing here checks user input.
+ *
+ * Work item = (sequence b, key split s). Keys are visited in memory order, a chunk of at most
+ * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
+ * token-major, so this reads each page front to back). Every key row is read once and dotted
+ * with all the query rows of its kv head (G * Lq rows for GQA); scores, the online softmax and
+ * the P V accumulation are float32; a chunk's values are prefetched while its scores are
+ * computed.
+ * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
+ * (flash-decoding) when there is more than one.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AK_ABI 3
+#define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
+#define AK_W 16     /* floats per vector; the Python side calls with D, Dv multiples of it */
+#define AK_INLINE static inline __attribute__((always_inline))
+
+enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
+
+typedef float ak_vf __attribute__((vector_size(64)));
+typedef float ak_v8 __attribute__((vector_size(32)));
+typedef float ak_v4 __attribute__((vector_size(16)));
+typedef uint16_t ak_vu16 __attribute__((vector_size(32)));
+typedef uint32_t ak_vu32 __attribute__((vector_size(64)));
+#ifdef __FLT16_MAX__
+typedef _Float16 ak_vh __attribute__((vector_size(32)));
+#endif
+
+typedef struct {
+    const float *q;            /* (B, Hq, Lq, D) float32 contiguous, already scaled */
+    const uint16_t *qh;        /* NULL, or q unscaled in bfloat16 for the bf16 dot products */
+    float scale;
+    const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
+    int64_t ks_page, ks_tok, ks_head;
+    int64_t vs_page, vs_tok, vs_head;
+    const int64_t *bt;         /* (B, bt_cols) contiguous */
+    int64_t bt_cols;
+    const int64_t *seqlens;    /* (B,) */
+    int64_t B, Hq, Hkv, Lq, D, Dv, P;
+    int64_t splits, keys_per_split;
+    int dtype;
+    int causal, bottom_right;
+    int64_t left, right;       /* window sizes, -1 = unbounded */
+    float softcap;             /* <= 0: none */
+    const float *alibi;        /* NULL or (B, Hq) slopes */
+    float *out;                /* (splits, B, Hq, Lq, Dv) */
+    float *lse;                /* (splits, B, Hq, Lq) */
+    int64_t ntasks;
+    int64_t next;              /* task counter, taken with __atomic_fetch_add */
+} ak_job;
+
+int attnkit_native_abi(void) { return AK_ABI; }
+
+int attnkit_native_has_f16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 16 elements at p as float32 (dtype is a constant wherever this is inlined) */
+AK_INLINE ak_vf load16(const char *p, int dtype) {
+    ak_vf f;
+    if (dtype == AK_F32) {
+        memcpy(&f, p, sizeof f);
+    } else if (dtype == AK_BF16) {
+        ak_vu16 h;
+        memcpy(&h, p, sizeof h);
+        ak_vu32 u = __builtin_convertvector(h, ak_vu32) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+#ifdef __FLT16_MAX__
+        ak_vh h;
+        memcpy(&h, p, sizeof h);
+        f = __builtin_convertvector(h, ak_vf);
+#else
+        memset(&f, 0, sizeof f);
+#endif
+    }
+    return f;
+}
+
+AK_INLINE float hsum(ak_vf v) {
+    const ak_v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                     + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const ak_v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3)
+                     + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (accumulators in registers) */
+AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
+                      int64_t os) {
+    const int esz = dtype == AK_F32 ? 4 : 2;
+    ak_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t d = 0; d < D; d += AK_W) {
+        const ak_vf kb = load16(k + d * esz, dtype);
+        ak_vf q0, q1, q2, q3;
+        memcpy(&q0, q + d, sizeof q0);
+        memcpy(&q1, q + D + d, sizeof q1);
+        memcpy(&q2, q + 2 * D + d, sizeof q2);
+        memcpy(&q3, q + 3 * D + d, sizeof q3);
+        a0 += q0 * kb;
+        a1 += q1 * kb;
+        a2 += q2 * kb;
+        a3 += q3 * kb;
+    }
+    out[0] = hsum(a0);
+    out[os] = hsum(a1);
+    out[2 * os] = hsum(a2);
+    out[3 * os] = hsum(a3);
+}
+
+AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
+    const int esz = dtype == AK_F32 ? 4 : 2;
+    ak_vf a0 = {0}, a1 = {0};
+    int64_t d = 0;
+    for (; d + 2 * AK_W <= D; d += 2 * AK_W) {
+        ak_vf q0, q1;
+        memcpy(&q0, q + d, sizeof q0);
+        memcpy(&q1, q + d + AK_W, sizeof q1);
+        a0 += q0 * load16(k + d * esz, dtype);
+        a1 += q1 * load16(k + (d + AK_W) * esz, dtype);
+    }
+    for (; d < D; d += AK_W) {
+        ak_vf q0;
+        memcpy(&q0, q + d, sizeof q0);
+        a0 += q0 * load16(k + d * esz, dtype);
+    }
+    out[0] = hsum(a0 + a1);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define AK_DPBF16 1
+/* bfloat16 keys and queries straight into vdpbf16ps: products of two bfloat16 are exact in
+ * float32, so this is the float32 dot product of the given values, in half the instructions
+ * and with no conversion. D is a multiple of 32. */
+AK_INLINE __m512bh ak_bh(const uint16_t *p) {
+    return (__m512bh)_mm512_loadu_si512((const void *)p);
+}
+
+AK_INLINE void score4_dp(const uint16_t *k, const uint16_t *q, int64_t D, float scale,
+                         float *out, int64_t os) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh kv = ak_bh(k + d);
+        a0 = _mm512_dpbf16_ps(a0, ak_bh(q + d), kv);
+        a1 = _mm512_dpbf16_ps(a1, ak_bh(q + D + d), kv);
+        a2 = _mm512_dpbf16_ps(a2, ak_bh(q + 2 * D + d), kv);
+        a3 = _mm512_dpbf16_ps(a3, ak_bh(q + 3 * D + d), kv);
+    }
+    /* the four horizontal sums together: halves of (a0, a1) and (a2, a3), then quarters
+     * (128-bit lane g holds row g), then within each lane */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+    float lanes[16];
+    _mm512_storeu_ps(lanes, x);
+    out[0] = lanes[0];
+    out[os] = lanes[4];
+    out[2 * os] = lanes[8];
+    out[3 * os] = lanes[12];
+}
+
+AK_INLINE void score1_dp(const uint16_t *k, const uint16_t *q, int64_t D, float scale,
+                         float *out) {
+    __m512 a0 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) a0 = _mm512_dpbf16_ps(a0, ak_bh(q + d), ak_bh(k + d));
+    out[0] = scale * _mm512_reduce_add_ps(a0);
+}
+#endif
+
+int attnkit_native_has_dpbf16(void) {
+#ifdef AK_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* acc_g += sum_t p[g * ps + t] * v_t for 4 rows g, over n value rows v_t = v + t * vstride */
+AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                   int64_t ps, int64_t Dv, float *acc) {
+    const int esz = dtype == AK_F32 ? 4 : 2;
+    for (int64_t d = 0; d < Dv; d += AK_W) {
+        ak_vf a0, a1, a2, a3;
+        memcpy(&a0, acc + d, sizeof a0);
+        memcpy(&a1, acc + Dv + d, sizeof a1);
+        memcpy(&a2, acc + 2 * Dv + d, sizeof a2);
+        memcpy(&a3, acc + 3 * Dv + d, sizeof a3);
+        for (int64_t t = 0; t < n; ++t) {
+            const ak_vf vb = load16(v + t * vstride + d * esz, dtype);
+            a0 += p[t] * vb;
+            a1 += p[ps + t] * vb;
+            a2 += p[2 * ps + t] * vb;
+            a3 += p[3 * ps + t] * vb;
+        }
+        memcpy(acc + d, &a0, sizeof a0);
+        memcpy(acc + Dv + d, &a1, sizeof a1);
+        memcpy(acc + 2 * Dv + d, &a2, sizeof a2);
+        memcpy(acc + 3 * Dv + d, &a3, sizeof a3);
+    }
+}
+
+AK_INLINE void pv1(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                   int64_t Dv, float *acc) {
+    const int esz = dtype == AK_F32 ? 4 : 2;
+    for (int64_t d = 0; d < Dv; d += AK_W) {
+        ak_vf a0, a1 = {0};
+        memcpy(&a0, acc + d, sizeof a0);
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+            a0 += p[t] * load16(v + t * vstride + d * esz, dtype);
+            a1 += p[t + 1] * load16(v + (t + 1) * vstride + d * esz, dtype);
+        }
+        if (t < n) a0 += p[t] * load16(v + t * vstride + d * esz, dtype);
+        a0 += a1;
+        memcpy(acc + d, &a0, sizeof a0);
+    }
+}
+
+/* scores of `rows` query rows (q, row-major D) against one key row, into out[r * os] */
+AK_INLINE void score_head_t(const char *k, int dtype, const float *q, int64_t D, int64_t rows,
+                            float *out, int64_t os) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) score4(k, dtype, q + r * D, D, out + r * os, os);
+    for (; r < rows; ++r) score1(k, dtype, q + r * D, D, out + r * os);
+}
+
+AK_INLINE void pv_head_t(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                         int64_t ps, int64_t Dv, int64_t rows, float *acc) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) pv4(v, vstride, n, dtype, p + r * ps, ps, Dv, acc + r * Dv);
+    for (; r < rows; ++r) pv1(v, vstride, n, dtype, p + r * ps, Dv, acc + r * Dv);
+}
+
+static void score_head(const char *k, int dtype, const float *q, const uint16_t *qh,
+                       float scale, int64_t D, int64_t rows, float *out, int64_t os) {
+#ifdef AK_DPBF16
+    if (qh != NULL) { /* bfloat16 with D % 32 == 0 (checked by the caller) */
+        const uint16_t *kk = (const uint16_t *)k;
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) score4_dp(kk, qh + r * D, D, scale, out + r * os, os);
+        for (; r < rows; ++r) score1_dp(kk, qh + r * D, D, scale, out + r * os);
+        return;
+    }
+#else
+    (void)qh;
+    (void)scale;
+#endif
+    if (dtype == AK_BF16) score_head_t(k, AK_BF16, q, D, rows, out, os);
+    else if (dtype == AK_F16) score_head_t(k, AK_F16, q, D, rows, out, os);
+    else score_head_t(k, AK_F32, q, D, rows, out, os);
+}
+
+static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                    int64_t ps, int64_t Dv, int64_t rows, float *acc) {
+    if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc);
+    else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc);
+    else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), branch-free so it vectorises:
+ * 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error below 2e-7. Returns 0 for
+ * x < -87 (where the true value is below float32's normal range). */
+AK_INLINE float exp_nonpos(float x) {
+    const float lo = -87.0f;
+    const float xc = x < lo ? lo : x;
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    const float y = p * scale;
+    return x < lo ? 0.0f : y;
+}
+
+/* tanh(x), branch-free: an odd Taylor polynomial near 0, 1 - 2 / (e^{2|x|} + 1) elsewhere;
+ * absolute error below 2e-7. */
+AK_INLINE float tanh_approx(float x) {
+    const float ax = fminf(fabsf(x), 9.0f);
+    const float e = 1.0f / exp_nonpos(-2.0f * ax); /* e^{2|x|} */
+    const float big = 1.0f - 2.0f / (e + 1.0f);
+    const float x2 = ax * ax;
+    const float small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f
+                                                                + x2 * (-17.0f / 315.0f))));
+    const float t = ax < 0.125f ? small : big;
+    return x < 0.0f ? -t : t;
+}
+
+/* Ask for one value row (all kv heads of a token) ahead of its use in P V: that loop walks
+ * the chunk head by head, a stride the hardware prefetchers do not follow. */
+AK_INLINE void prefetch_values(const ak_job *job, const char *vtok, int esz) {
+    for (int64_t h = 0; h < job->Hkv; ++h) {
+        const char *v = vtok + h * job->vs_head * esz;
+        for (int64_t o = 0; o < job->Dv * esz; o += 64) __builtin_prefetch(v + o, 0, 3);
+    }
+}
+
+/* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
+typedef struct {
+    float *acc, *sc, *m, *l, *slope;
+    int64_t *lo, *hi, *ipos;
+} ak_scratch;
+
+/* the chunk of keys starting at c0: up to AK_CHUNK tokens, never past a page or k1 */
+AK_INLINE int64_t chunk_end(int64_t c0, int64_t P, int64_t k1) {
+    int64_t c1 = c0 + AK_CHUNK;
+    const int64_t page_end = (c0 / P + 1) * P;
+    if (c1 > page_end) c1 = page_end;
+    return c1 > k1 ? k1 : c1;
+}
+
+static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
+    const int64_t S = job->splits, Hq = job->Hq, Hkv = job->Hkv, Lq = job->Lq;
+    const int64_t D = job->D, Dv = job->Dv, P = job->P, R = Hq * Lq;
+    const int64_t rows_per_head = (Hq / Hkv) * Lq; /* kv head h: rows [h, h + 1) * this */
+    const int64_t s = task % S, b = task / S;
+    const int64_t L = job->seqlens[b];
+    const int dtype = job->dtype, esz = dtype == AK_F32 ? 4 : 2;
+    float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope;
+    int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
+    const float *qb = job->q + b * R * D; /* row r = hq * Lq + i */
+    const uint16_t *qhb = job->qh ? job->qh + b * R * D : NULL;
+
+    int64_t klo = L, khi = 0; /* union of the rows' visible key ranges */
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t hq = r / Lq, i = r % Lq;
+        ipos[r] = job->bottom_right ? i + L - Lq : i;
+        int64_t a = 0, e = L; /* visible keys: [a, e) */
+        if (job->left >= 0 && ipos[r] - job->left > a) a = ipos[r] - job->left;
+        const int64_t right = job->causal ? 0 : job->right;
+        if (right >= 0 && ipos[r] + right + 1 < e) e = ipos[r] + right + 1;
+        if (e < a) e = a;
+        lo[r] = a;
+        hi[r] = e;
+        if (a < e && a < klo) klo = a;
+        if (a < e && e > khi) khi = e;
+        slope[r] = job->alibi ? job->alibi[b * Hq + hq] : 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
+
+    /* this split's keys, clipped to what any row sees */
+    int64_t k0 = s * job->keys_per_split, k1 = k0 + job->keys_per_split;
+    if (k0 < klo) k0 = klo;
+    if (k1 > khi) k1 = khi;
+    const float cap = job->softcap;
+
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = chunk_end(c0, P, k1), n = c1 - c0;
+        const int64_t page = job->bt[b * job->bt_cols + c0 / P];
+        const char *kbase = job->kp + (page * job->ks_page + (c0 % P) * job->ks_tok) * esz;
+        const char *vbase = job->vp + (page * job->vs_page + (c0 % P) * job->vs_tok) * esz;
+        /* scores, token by token in memory order */
+        for (int64_t t = 0; t < n; ++t) {
+            prefetch_values(job, vbase + t * job->vs_tok * esz, esz);
+            for (int64_t h = 0; h < Hkv; ++h)
+                score_head(kbase + (t * job->ks_tok + h * job->ks_head) * esz, dtype,
+                           qb + h * rows_per_head * D,
+                           qhb ? qhb + h * rows_per_head * D : NULL, job->scale, D,
+                           rows_per_head,
+                           sc + h * rows_per_head * AK_CHUNK + t, AK_CHUNK);
+        }
+        /* score terms, visibility, online softmax */
+        for (int64_t r = 0; r < R; ++r) {
+            float *sr = sc + r * AK_CHUNK;
+            const int64_t a = lo[r] - c0, e = hi[r] - c0; /* visible t: [a, e) */
+            if (cap > 0.0f) {
+                const float inv = 1.0f / cap;
+#pragma omp simd
+                for (int64_t t = 0; t < n; ++t) sr[t] = cap * tanh_approx(sr[t] * inv);
+            }
+            if (job->alibi) {
+                const float sl = slope[r];
+                const int64_t ip = ipos[r] - c0;
+#pragma omp simd
+                for (int64_t t = 0; t < n; ++t) sr[t] -= sl * (float)(ip > t ? ip - t : t - ip);
+            }
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t t = 0; t < n; ++t) {
+                const float v = (t < a || t >= e) ? -INFINITY : sr[t];
+                sr[t] = v;
+                mx = v > mx ? v : mx;
+            }
+            if (mx == -INFINITY) { /* nothing visible in this chunk for this row */
+                memset(sr, 0, (size_t)n * sizeof(float));
+                continue;
+            }
+            const float mnew = mx > m[r] ? mx : m[r];
+            const float alpha = exp_nonpos(m[r] - mnew);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; ++t) {
+                const float p = sr[t] == -INFINITY ? 0.0f : exp_nonpos(sr[t] - mnew);
+                sr[t] = p;
+                sum += p;
+            }
+            if (alpha != 1.0f) {
+                float *ar = acc + r * Dv;
+                for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = mnew;
+        }
+        /* P V, one kv head at a time */
+        for (int64_t h = 0; h < Hkv; ++h)
+            pv_head(vbase + h * job->vs_head * esz, job->vs_tok * esz, n, dtype,
+                    sc + h * rows_per_head * AK_CHUNK, AK_CHUNK, Dv, rows_per_head,
+                    acc + h * rows_per_head * Dv);
+        c0 = c1;
+    }
+
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t o = (s * job->B + b) * R + r; /* (split, b, hq, i) */
+        float *dst = job->out + o * Dv;
+        if (l[r] > 0.0f) {
+            const float inv = 1.0f / l[r];
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[r * Dv + d] * inv;
+            job->lse[o] = m[r] + logf(l[r]);
+        } else {
+            memset(dst, 0, (size_t)Dv * sizeof(float));
+            job->lse[o] = -INFINITY;
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    ak_job *job = (ak_job *)arg;
+    const int64_t R = job->Hq * job->Lq;
+    ak_scratch w;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(R * job->Dv + R * AK_CHUNK + 3 * R));
+    int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * R));
+    if (!f || !ix) {
+        free(f);
+        free(ix);
+        return (void *)1;
+    }
+    w.acc = f;
+    w.sc = w.acc + R * job->Dv;
+    w.m = w.sc + R * AK_CHUNK;
+    w.l = w.m + R;
+    w.slope = w.l + R;
+    w.lo = ix;
+    w.hi = ix + R;
+    w.ipos = ix + 2 * R;
+    for (;;) {
+        const int64_t task = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (task >= job->ntasks) break;
+        run_task(job, task, &w);
+    }
+    free(f);
+    free(ix);
+    return NULL;
+}
+
+/* Returns 0 on success, 1 when no worker could allocate its scratch buffer. */
+int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *kp,
+                   const void *vp,
+                   const int64_t *kstrides, const int64_t *vstrides,
+                   const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
+                   const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P */
+                   int64_t splits, int64_t keys_per_split, int dtype,
+                   int causal, int bottom_right, int64_t left, int64_t right,
+                   float softcap, const float *alibi, float *out, float *lse,
+                   int nthreads) {
+    ak_job job;
+    memset(&job, 0, sizeof job);
+    job.q = q;
+    job.qh = qh;
+    job.scale = scale;
+    job.kp = (const char *)kp;
+    job.vp = (const char *)vp;
+    job.ks_page = kstrides[0];
+    job.ks_tok = kstrides[1];
+    job.ks_head = kstrides[2];
+    job.vs_page = vstrides[0];
+    job.vs_tok = vstrides[1];
+    job.vs_head = vstrides[2];
+    job.bt = bt;
+    job.bt_cols = bt_cols;
+    job.seqlens = seqlens;
+    job.B = dims[0];
+    job.Hq = dims[1];
+    job.Hkv = dims[2];
+    job.Lq = dims[3];
+    job.D = dims[4];
+    job.Dv = dims[5];
+    job.P = dims[6];
+    job.splits = splits;
+    job.keys_per_split = keys_per_split;
+    job.dtype = dtype;
+    job.causal = causal;
+    job.bottom_right = bottom_right;
+    job.left = left;
+    job.right = right;
+    job.softcap = softcap;
+    job.alibi = alibi;
+    job.out = out;
+    job.lse = lse;
+    job.ntasks = job.B * splits;
+    job.next = 0;
+    if (nthreads > 64) nthreads = 64;
+    if (nthreads > job.ntasks) nthreads = (int)job.ntasks;
+    if (nthreads < 1) nthreads = 1;
+    pthread_t th[64];
+    int started = 0;
+    for (int t = 1; t < nthreads; ++t)
+        if (pthread_create(&th[started], NULL, worker, &job) == 0) ++started;
+    worker(&job);
+    for (int t = 0; t < started; ++t) pthread_join(th[t], NULL);
+    /* a worker that could not allocate takes no task; one that could drains the queue, which
+     * leaves the counter past ntasks */
+    return job.next > job.ntasks ? 0 : 1;
+}

@@ -1,0 +1,316 @@
+"""The native decode kernel (attnkit/native) against the float64 oracle, its flash-decoding
+splits, its build/cache/disable paths, and the fallbacks when it cannot run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import fa_tolerance_ok, naive_attention, rand
+
+import attnkit
+from attnkit import native, paged
+from attnkit.paged import gather_kv, paged_attention_blocks
+from attnkit.reference import attention_reference, scores, visibility
+from attnkit.spec import build_spec
+
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason=f"native kernel: {native.unavailable_reason()}")
+
+
+def _paged_problem(gen, *, batch=3, hq=8, hkv=2, lq=1, d=32, dv=32, page=8, dtype=torch.float32,
+                   lengths=None):
+    """Sequences on shuffled pages (one spare page, -1 padding past each row's pages)."""
+    lens = torch.tensor(lengths) if lengths is not None else torch.randint(
+        max(lq, 1), 7 * page, (batch,), generator=gen)
+    batch = lens.numel()
+    width = int(-(-int(lens.max()) // page)) + 1
+    num_pages = batch * width + 1
+    kp = rand(num_pages, page, hkv, d, gen=gen, dtype=dtype)
+    vp = rand(num_pages, page, hkv, dv, gen=gen, dtype=dtype)
+    table = torch.randperm(num_pages, generator=gen)[: batch * width].view(batch, width)
+    for b in range(batch):  # padding entries past a sequence's pages are ignored
+        table[b, -(-int(lens[b]) // page):] = -1
+    q = rand(batch, hq, lq, d, gen=gen, dtype=dtype)
+    return q, kp, vp, table.to(torch.int32), lens
+
+
+def _oracle(q, kp, vp, table, lens, **kw):
+    """Float64 reference on the gathered cache, and the same-dtype 'plain' baseline."""
+    opts = {"causal": True, "diagonal": "bottom_right", **kw}
+    k, v = gather_kv(kp, vp, table, lens)
+    ref, ref_lse = attention_reference(q, k, v, seqlens_kv=lens, return_lse=True, **opts)
+    spec = build_spec(q, k, v, seqlens_kv=lens, **opts)
+    if q.dtype == torch.float32:
+        return ref, ref_lse, None
+    # plain: the same score pipeline and softmax, rounded to the inputs' dtype at each step
+    s = scores(build_spec(q.double(), k.double(), v.double(), seqlens_kv=lens, **opts))
+    s = s.to(q.dtype).float().masked_fill(~visibility(spec), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    plain = p @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return ref, ref_lse, plain
+
+
+def _check(out, lse, ref, ref_lse, plain, lse_atol=2e-5):
+    """The native kernel's LSE is float32 math on the given inputs (2e-5); the torch page
+    path rounds its scores to the inputs' dtype (lse_atol=1e-2 for half precision)."""
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin].double(), ref_lse[fin], atol=lse_atol, rtol=0)
+    if plain is None:
+        assert (out.double() - ref).abs().max() < 2e-6
+    else:
+        ok, err, base = fa_tolerance_ok(out, ref, plain)
+        assert ok, (err, base)
+
+
+OPTIONS = {
+    "causal": dict(),
+    "full": dict(causal=False),
+    "window": dict(window=(5, 0)),
+    "window_two_sided": dict(causal=False, window=(4, 2)),
+    "top_left": dict(diagonal="top_left"),
+    "softcap": dict(softcap=3.0),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.02, 0.01, 0.3])),
+    "alibi_per_batch": dict(alibi_slopes=torch.linspace(0.01, 0.6, 24).view(3, 8)),
+    "scale_and_all": dict(scale=0.3, softcap=4.0, window=(9, 0),
+                          alibi_slopes=torch.linspace(0.05, 0.4, 8)),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("lq", [1, 3], ids=["decode", "lq3"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_native_matches_the_oracle(name, lq, dtype):
+    if dtype == torch.float16 and not native.build_info().get("f16"):
+        pytest.skip("compiler without _Float16")
+    gen = torch.Generator().manual_seed(10 * list(OPTIONS).index(name) + lq)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=lq, dtype=dtype, lengths=[3, 17, 40])
+    kw = OPTIONS[name]
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
+                                      backend="native", **kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    _check(out, lse, *_oracle(q, kp, vp, table, lens, **kw))
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [
+    dict(hq=4, hkv=4, d=16, dv=48),     # MHA, Dv != Dqk
+    dict(hq=6, hkv=1, d=64, dv=16),     # MQA: 6 rows per kv head
+    dict(hq=10, hkv=2, d=32, dv=32),    # 5 rows per kv head (a group of 4 and a single)
+    dict(hq=16, hkv=2, d=128, dv=128, page=16),
+], ids=["mha_dv48", "mqa", "g5", "g8_d128"])
+def test_native_head_layouts(shape):
+    gen = torch.Generator().manual_seed(21)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=2, **shape)
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
+                                      backend="native")
+    _check(out, lse, *_oracle(q, kp, vp, table, lens))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_flash_decoding_splits_agree(threads):
+    """Any key split across any number of threads merges to the unsplit result; splits that
+    hold no key of a short sequence (lse -inf) drop out of the merge."""
+    gen = torch.Generator().manual_seed(22)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=2, lengths=[2, 9, 70, 33], page=4)
+    ref, ref_lse, _ = _oracle(q, kp, vp, table, lens)
+    scale = 1 / math.sqrt(q.shape[-1])
+    for splits in (1, 2, 3, 5, 18):
+        out, lse = native.paged_decode(q, kp, vp, table, lens, scale=scale,
+                                       splits=splits, threads=threads)
+        _check(out, lse, ref, ref_lse, None)
+
+
+def test_split_choice():
+    assert native._splits(batch=8, keys=8192, threads=2) == 1
+    assert native._splits(batch=1, keys=8192, threads=2) == 2
+    assert native._splits(batch=1, keys=8192, threads=16) == 8  # splits of >= 1024 keys
+    assert native._splits(batch=1, keys=900, threads=8) == 1    # too short to split
+    assert native._splits(batch=3, keys=4096, threads=1) == 1
+
+
+@needs_native
+def test_auto_runs_native_on_the_pages_and_gathers_for_gradients(monkeypatch):
+    calls = []
+    real = paged._native_decode
+    monkeypatch.setattr(paged, "_native_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(23)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1)
+    out = paged_attention_blocks(q, kp, vp, table, lens)
+    assert calls == [1]
+    ref, _, _ = _oracle(q, kp, vp, table, lens)
+    assert (out.double() - ref).abs().max() < 2e-6
+    # inputs that need a gradient take the differentiable gather path (whose fused executor
+    # still runs its forward in the kernel, see test_dense_decode_runs_native_with_gradients)
+    q.requires_grad_(True)
+    out = paged_attention_blocks(q, kp, vp, table, lens)
+    assert calls == [1] and out.requires_grad
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    k, v = gather_kv(kp, vp, table, lens)
+    qd = q.detach().double().requires_grad_(True)
+    r = attention_reference(qd, k.double(), v.double(), seqlens_kv=lens, causal=True,
+                            diagonal="bottom_right")
+    (rq,) = torch.autograd.grad(r.sum(), qd)
+    assert (dq.double() - rq).abs().max() < 1e-5
+
+
+def test_forced_native_says_why_not():
+    gen = torch.Generator().manual_seed(24)
+    q, kp, vp, table, lens = _paged_problem(gen, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="backend='native' cannot run.*float64"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    q, kp, vp, table, lens = _paged_problem(gen, d=24, dv=24)
+    with pytest.raises(NotImplementedError, match="multiples of 16; got Dqk=24"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    q, kp, vp, table, lens = _paged_problem(gen, lq=native.MAX_QUERY_ROWS + 1)
+    with pytest.raises(NotImplementedError, match="decoding"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+
+
+@needs_native
+def test_bad_inputs_are_caught_before_the_kernel():
+    gen = torch.Generator().manual_seed(25)
+    q, kp, vp, table, lens = _paged_problem(gen, lengths=[5, 20])
+    bad = table.clone()
+    bad[1, 0] = kp.shape[0]  # past the pool: must be a clear error, never a wild read
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = .* is not a page index"):
+        paged_attention_blocks(q, kp, vp, bad, lens, backend="native")
+    with pytest.raises(ValueError, match="seqlens must lie in"):
+        paged_attention_blocks(q, kp, vp, table, torch.tensor([5, 10_000]), backend="native")
+    with pytest.raises(ValueError, match="window"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native", window=(-1, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native", softcap=-2.0)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native",
+                               alibi_slopes=torch.ones(3))
+    with pytest.raises(ValueError, match="number of query heads must be a multiple"):
+        paged_attention_blocks(q[:, :7], kp, vp, table, lens, backend="native")
+    # strided (non-contiguous) pages are read through their strides
+    wide_k = torch.zeros(*kp.shape[:3], 2 * kp.shape[3])
+    wide_k[..., ::2] = kp
+    kv_strided = wide_k[..., ::2]
+    with pytest.raises(NotImplementedError, match="unit-stride"):
+        paged_attention_blocks(q, kv_strided, vp, table, lens, backend="native")
+    heads_first = kp.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    out = paged_attention_blocks(q, heads_first, vp, table, lens, backend="native")
+    assert torch.equal(out, paged_attention_blocks(q, kp, vp, table, lens, backend="native"))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kw", [dict(), dict(seqlens_kv=torch.tensor([40, 7]))],
+                         ids=["full", "padded"])
+def test_dense_decode_runs_native_with_gradients(kw, dtype, monkeypatch):
+    """attention() on a contiguous cache: the fused executor's decode rows run in the kernel
+    (each batch row's keys as one strided page) and its backward starts from the kernel's
+    output and LSE."""
+    calls = []
+    real = native.dense_decode
+    monkeypatch.setattr(native, "dense_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(30)
+    q = rand(2, 8, 1, 32, gen=gen, dtype=dtype, requires_grad=True)
+    k = rand(2, 2, 40, 32, gen=gen, dtype=dtype, requires_grad=True)
+    v = rand(2, 2, 40, 16, gen=gen, dtype=dtype, requires_grad=True)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    assert len(calls) == (1 if not kw else 2)
+    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref, ref_lse = attention_reference(qd, kd, vd, return_lse=True, **kw)
+    grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, 16)).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, 16).double()).sum(),
+                                    (qd, kd, vd))
+    if dtype == torch.float32:
+        _check(out, lse, ref, ref_lse, None)
+        for a, b in zip(grads, ref_grads):
+            assert (a.double() - b).abs().max() < 1e-5
+    else:  # FlashAttention's rule against textbook bf16 attention (3x for gradients)
+        assert (lse.double() - ref_lse).abs().max() < 2e-5
+        qp, kp, vp = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        vis = None
+        if kw:
+            vis = torch.arange(40).view(1, 1, 1, 40) < kw["seqlens_kv"].view(2, 1, 1, 1)
+        plain = naive_attention(qp, kp, vp, mask=vis)
+        plain_grads = torch.autograd.grad((plain.float() * torch.linspace(-1, 1, 16)).sum(),
+                                          (qp, kp, vp))
+        ok, err, base = fa_tolerance_ok(out, ref, plain)
+        assert ok, (err, base)
+        for a, b, c in zip(grads, ref_grads, plain_grads):
+            ok, err, base = fa_tolerance_ok(a, b, c, mult=3.0)
+            assert ok, (err, base)
+
+
+@needs_native
+def test_the_cache_and_paged_attention_use_native(monkeypatch):
+    """The PagedKVCache front door, with pages that interleave between sequences."""
+    calls = []
+    real = native.paged_decode
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(26)
+    cache = attnkit.PagedKVCache(16, 4, 2, 16, dtype=torch.bfloat16)
+    lengths = {"a": 11, "b": 3, "c": 14}
+    for sid in lengths:
+        cache.allocate(sid)
+    for step in range(14):
+        for sid, n in lengths.items():
+            if step < n:
+                cache.append(sid, rand(1, 2, 16, gen=gen, dtype=torch.bfloat16),
+                             rand(1, 2, 16, gen=gen, dtype=torch.bfloat16))
+    q = rand(3, 4, 1, 16, gen=gen, dtype=torch.bfloat16)
+    out, lse = attnkit.paged_attention(q, cache, list(lengths), return_lse=True)
+    assert calls == [1]
+    table, lens = cache.block_table(list(lengths))
+    _check(out, lse, *_oracle(q, cache.k_pages, cache.v_pages, table, lens))
+
+
+def test_disabled_native_falls_back(fresh_native):
+    fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    assert not native.available()
+    assert "ATTNKIT_NATIVE=0" in native.unavailable_reason()
+    assert "unavailable" in native.describe()
+    gen = torch.Generator().manual_seed(27)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="ATTNKIT_NATIVE=0"):
+        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True)  # torch path
+    _check(out, lse, *_oracle(q, kp, vp, table, lens), lse_atol=1e-2)
+
+
+def test_missing_or_failing_compiler_is_a_reason_not_a_crash(fresh_native, tmp_path):
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    fresh_native.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert not native.available()
+    assert "no C compiler" in native.unavailable_reason()
+    native._reset()
+    fake = tmp_path / "failing-cc"
+    fake.write_text("#!/bin/sh\necho 'error: this compiler always fails' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    fresh_native.setenv("CC", str(fake))
+    assert not native.available()
+    reason = native.unavailable_reason()
+    assert "building the native decode kernel failed" in reason and "always fails" in reason
+    gen = torch.Generator().manual_seed(28)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1)
+    out = paged_attention_blocks(q, kp, vp, table, lens)  # still answers, on the torch path
+    assert (out.double() - _oracle(q, kp, vp, table, lens)[0]).abs().max() < 2e-6
+
+
+@needs_native
+def test_build_is_cached_per_source_and_cpu(fresh_native, tmp_path):
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    assert native.available()
+    first = native.build_info()
+    assert not first["cached"] and first["build_s"] > 0
+    assert first["path"].startswith(str(tmp_path))
+    native._reset()
+    assert native.available()
+    second = native.build_info()
+    assert second["cached"] and second["path"] == first["path"]
+    assert list(tmp_path.iterdir()) == [tmp_path / first["path"].rsplit("/", 1)[1]]
