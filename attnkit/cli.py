@@ -105,7 +105,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         bad += not ok
         table.add_row(r["feature"], r["dtype"], r["backend"], f"{r['out']:.2e}",
                       f"{r['lse']:.2e}", f"{r['grad']:.2e}", "ok" if ok else "LARGE")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    from . import native
+
+    console.print(native.describe())
     return 1 if bad else 0
 
 

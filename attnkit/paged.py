@@ -378,7 +378,14 @@ def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable],
     """Attention of ``q (B, Hq, Lq, Dqk)`` over the cached keys/values of ``seq_ids`` (one
     batch row each). The queries are the last ``Lq`` positions of each sequence, already
     appended (decode: Lq = 1; chunked prefill: Lq > 1), so the default is causal with the
-    bottom-right diagonal of each sequence's own length. Output ``(B, Hq, Lq, Dv)``."""
+    bottom-right diagonal of each sequence's own length. Output ``(B, Hq, Lq, Dv)``.
+
+    How it runs (``backend="auto"``): up to 16 query rows without gradients go to the native
+    decode kernel, which reads the pages in place (:mod:`attnkit.native`); without it,
+    half-precision decoding reads the pages with batched matmuls; everything else gathers the
+    pages into contiguous K/V and runs :func:`attnkit.attention` (differentiable).
+    ``backend="native"`` forces the kernel (``NotImplementedError`` with the reasons when it
+    cannot run); ``"fused"``/``"tiled"`` gather and force that executor."""
     block_table, seqlens = cache.block_table(seq_ids)
     return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
                                   causal=causal, diagonal=diagonal, window=window,
