@@ -88,7 +88,7 @@ def test_native_matches_the_oracle(name, lq, dtype):
     if dtype == torch.float16 and not native.build_info().get("f16"):
         pytest.skip("compiler without _Float16")
     gen = torch.Generator().manual_seed(10 * list(OPTIONS).index(name) + lq)
-    q, kp, vp, table, lens = _paged_problem(gen, lq=lq, dtype=dtype, lengths=[3, 17, 40])
+    q, kp, vp, table, lens = _paged_problem(gen, lq=lq, dtype=dtype, lengths=[lq, 17, 40])
     kw = OPTIONS[name]
     out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
                                       backend="native", **kw)
@@ -102,7 +102,9 @@ def test_native_matches_the_oracle(name, lq, dtype):
     dict(hq=6, hkv=1, d=64, dv=16),     # MQA: 6 rows per kv head
     dict(hq=10, hkv=2, d=32, dv=32),    # 5 rows per kv head (a group of 4 and a single)
     dict(hq=16, hkv=2, d=128, dv=128, page=16),
-], ids=["mha_dv48", "mqa", "g5", "g8_d128"])
+    dict(hq=8, hkv=2, d=48, dv=32, dtype=torch.bfloat16),   # bf16 without the 32-wide dots
+    dict(hq=8, hkv=2, d=64, dv=64, dtype=torch.bfloat16),   # bf16 dot products if the CPU has
+], ids=["mha_dv48", "mqa", "g5", "g8_d128", "bf16_d48", "bf16_d64"])
 def test_native_head_layouts(shape):
     gen = torch.Generator().manual_seed(21)
     q, kp, vp, table, lens = _paged_problem(gen, lq=2, **shape)
@@ -117,7 +119,7 @@ def test_flash_decoding_splits_agree(threads):
     """Any key split across any number of threads merges to the unsplit result; splits that
     hold no key of a short sequence (lse -inf) drop out of the merge."""
     gen = torch.Generator().manual_seed(22)
-    q, kp, vp, table, lens = _paged_problem(gen, lq=2, lengths=[2, 9, 70, 33], page=4)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1, lengths=[1, 9, 70, 33], page=4)
     ref, ref_lse, _ = _oracle(q, kp, vp, table, lens)
     scale = 1 / math.sqrt(q.shape[-1])
     for splits in (1, 2, 3, 5, 18):
@@ -300,6 +302,24 @@ def test_missing_or_failing_compiler_is_a_reason_not_a_crash(fresh_native, tmp_p
     q, kp, vp, table, lens = _paged_problem(gen, lq=1)
     out = paged_attention_blocks(q, kp, vp, table, lens)  # still answers, on the torch path
     assert (out.double() - _oracle(q, kp, vp, table, lens)[0]).abs().max() < 2e-6
+
+
+@needs_native
+def test_build_retries_without_march_native(fresh_native, tmp_path):
+    """A compiler that rejects -march=native still gets a (portable) kernel."""
+    real = native._compiler()
+    picky = tmp_path / "picky-cc"
+    picky.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\n'
+                     f'exec {real} "$@"\n')
+    picky.chmod(0o755)
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(tmp_path / "cache"))
+    fresh_native.setenv("CC", str(picky))
+    assert native.available(), native.unavailable_reason()
+    assert "-march=native" not in native.build_info()["flags"]
+    gen = torch.Generator().manual_seed(31)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=2, dtype=torch.bfloat16)
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="native")
+    _check(out, lse, *_oracle(q, kp, vp, table, lens))
 
 
 @needs_native

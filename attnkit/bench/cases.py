@@ -300,6 +300,10 @@ CATALOG: Tuple[Case, ...] = (
          causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
          dtypes=("bfloat16",), extra={"page_size": 256},
          note="decode over a paged KV cache (shuffled pages); KV GB/s vs memcpy"),
+    Case("paged_decode_1x32k", batch=1, heads_q=32, heads_kv=8, len_q=1, len_kv=32768,
+         d_qk=128, causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
+         dtypes=("bfloat16",), extra={"page_size": 256},
+         note="one long sequence: keys split across threads (flash-decoding)"),
     Case("dropout_4k", len_q=4096, causal=True, suites=_S, extra={"dropout_p": 0.1},
          note="random masks differ across peers: attnkit checked against its own keep mask"),
     # ---- long contexts

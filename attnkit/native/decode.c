@@ -9,8 +9,7 @@
  * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
  * token-major, so this reads each page front to back). Every key row is read once and dotted
  * with all the query rows of its kv head (G * Lq rows for GQA); scores, the online softmax and
- * the P V accumulation are float32; a chunk's values are prefetched while its scores are
- * computed.
+ * the P V accumulation are float32 (the softmax 16 lanes at a time).
  * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
  * (flash-decoding) when there is more than one.
  */
@@ -278,49 +277,61 @@ static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const 
     else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc);
 }
 
-/* exp(x) for x <= 0 (scores minus their running max), branch-free so it vectorises:
- * 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2; relative error below 2e-7. Returns 0 for
- * x < -87 (where the true value is below float32's normal range). */
-AK_INLINE float exp_nonpos(float x) {
-    const float lo = -87.0f;
-    const float xc = x < lo ? lo : x;
-    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    float r = xc - n * 0.693359375f;
+typedef int32_t ak_vi __attribute__((vector_size(64)));
+
+AK_INLINE ak_vf ak_splat(float x) {
+    return (ak_vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+/* lanes of a where mask m is set (all bits), else b */
+AK_INLINE ak_vf ak_select(ak_vi m, ak_vf a, ak_vf b) {
+    return (ak_vf)(((ak_vi)a & m) | ((ak_vi)b & ~m));
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with
+ * x = n ln2 + r, |r| <= ln2 / 2; relative error below 2e-7. 0 for x < -87 (where the true
+ * value is below float32's normal range) and for x = -inf. */
+AK_INLINE ak_vf exp_nonpos(ak_vf x) {
+    const ak_vi under = x < ak_splat(-87.0f);
+    const ak_vf xc = ak_select(under, ak_splat(-87.0f), x);
+    const ak_vf magic = ak_splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to integer */
+    const ak_vf n = (xc * 1.44269504088896341f + magic) - magic;
+    ak_vf r = xc - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    ak_vf p = ak_splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
-    const float y = p * scale;
-    return x < lo ? 0.0f : y;
+    const ak_vi e = (__builtin_convertvector(n, ak_vi) + 127) << 23;
+    return ak_select(under, ak_splat(0.0f), p * (ak_vf)e);
 }
 
-/* tanh(x), branch-free: an odd Taylor polynomial near 0, 1 - 2 / (e^{2|x|} + 1) elsewhere;
+AK_INLINE float exp_nonpos1(float x) {
+    return exp_nonpos(ak_splat(x))[0];
+}
+
+/* tanh(x), 16 lanes: an odd Taylor polynomial near 0, 1 - 2 / (e^{2|x|} + 1) elsewhere;
  * absolute error below 2e-7. */
-AK_INLINE float tanh_approx(float x) {
-    const float ax = fminf(fabsf(x), 9.0f);
-    const float e = 1.0f / exp_nonpos(-2.0f * ax); /* e^{2|x|} */
-    const float big = 1.0f - 2.0f / (e + 1.0f);
-    const float x2 = ax * ax;
-    const float small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f
+AK_INLINE ak_vf tanh_approx(ak_vf x) {
+    const ak_vi sign = (ak_vi)x & (ak_vi)ak_splat(-0.0f);
+    ak_vf ax = (ak_vf)((ak_vi)x & ~(ak_vi)ak_splat(-0.0f));
+    ax = ak_select(ax > ak_splat(9.0f), ak_splat(9.0f), ax);
+    const ak_vf e = 1.0f / exp_nonpos(-2.0f * ax); /* e^{2|x|} */
+    const ak_vf big = 1.0f - 2.0f / (e + 1.0f);
+    const ak_vf x2 = ax * ax;
+    const ak_vf small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f
                                                                 + x2 * (-17.0f / 315.0f))));
-    const float t = ax < 0.125f ? small : big;
-    return x < 0.0f ? -t : t;
+    const ak_vf t = ak_select(ax < ak_splat(0.125f), small, big);
+    return (ak_vf)((ak_vi)t | sign);
 }
 
-/* Ask for one value row (all kv heads of a token) ahead of its use in P V: that loop walks
- * the chunk head by head, a stride the hardware prefetchers do not follow. */
-AK_INLINE void prefetch_values(const ak_job *job, const char *vtok, int esz) {
-    for (int64_t h = 0; h < job->Hkv; ++h) {
-        const char *v = vtok + h * job->vs_head * esz;
-        for (int64_t o = 0; o < job->Dv * esz; o += 64) __builtin_prefetch(v + o, 0, 3);
-    }
+AK_INLINE float hmax(ak_vf v) {
+    float m = v[0];
+    for (int i = 1; i < AK_W; ++i) m = v[i] > m ? v[i] : m;
+    return m;
 }
 
 /* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
@@ -381,7 +392,6 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         const char *vbase = job->vp + (page * job->vs_page + (c0 % P) * job->vs_tok) * esz;
         /* scores, token by token in memory order */
         for (int64_t t = 0; t < n; ++t) {
-            prefetch_values(job, vbase + t * job->vs_tok * esz, esz);
             for (int64_t h = 0; h < Hkv; ++h)
                 score_head(kbase + (t * job->ks_tok + h * job->ks_head) * esz, dtype,
                            qb + h * rows_per_head * D,
@@ -389,46 +399,48 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                            rows_per_head,
                            sc + h * rows_per_head * AK_CHUNK + t, AK_CHUNK);
         }
-        /* score terms, visibility, online softmax */
+        /* score terms, visibility, online softmax; 16 lanes at a time over the whole chunk
+         * buffer (lanes past n are masked like invisible keys) */
+        const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         for (int64_t r = 0; r < R; ++r) {
             float *sr = sc + r * AK_CHUNK;
-            const int64_t a = lo[r] - c0, e = hi[r] - c0; /* visible t: [a, e) */
-            if (cap > 0.0f) {
-                const float inv = 1.0f / cap;
-#pragma omp simd
-                for (int64_t t = 0; t < n; ++t) sr[t] = cap * tanh_approx(sr[t] * inv);
+            /* visible t: [a, e) within the chunk */
+            const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
+            const float ip = (float)(ipos[r] - c0), sl = slope[r];
+            ak_vf mxv = ak_splat(-INFINITY);
+            for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
+                ak_vf v;
+                memcpy(&v, sr + t0, sizeof v);
+                const ak_vf t = iota + (float)t0;
+                if (cap > 0.0f) v = cap * tanh_approx(v * (1.0f / cap));
+                if (job->alibi) {
+                    const ak_vf dist = ip - t;
+                    v -= sl * ak_select(dist < 0.0f, -dist, dist);
+                }
+                v = ak_select((t >= a) & (t < e), v, ak_splat(-INFINITY));
+                mxv = ak_select(v > mxv, v, mxv);
+                memcpy(sr + t0, &v, sizeof v);
             }
-            if (job->alibi) {
-                const float sl = slope[r];
-                const int64_t ip = ipos[r] - c0;
-#pragma omp simd
-                for (int64_t t = 0; t < n; ++t) sr[t] -= sl * (float)(ip > t ? ip - t : t - ip);
-            }
-            float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-            for (int64_t t = 0; t < n; ++t) {
-                const float v = (t < a || t >= e) ? -INFINITY : sr[t];
-                sr[t] = v;
-                mx = v > mx ? v : mx;
-            }
+            const float mx = hmax(mxv);
             if (mx == -INFINITY) { /* nothing visible in this chunk for this row */
-                memset(sr, 0, (size_t)n * sizeof(float));
+                memset(sr, 0, AK_CHUNK * sizeof(float));
                 continue;
             }
             const float mnew = mx > m[r] ? mx : m[r];
-            const float alpha = exp_nonpos(m[r] - mnew);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; ++t) {
-                const float p = sr[t] == -INFINITY ? 0.0f : exp_nonpos(sr[t] - mnew);
-                sr[t] = p;
-                sum += p;
+            const float alpha = exp_nonpos1(m[r] - mnew);
+            ak_vf sumv = ak_splat(0.0f);
+            for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
+                ak_vf v;
+                memcpy(&v, sr + t0, sizeof v);
+                const ak_vf p = exp_nonpos(v - mnew); /* 0 where v = -inf */
+                memcpy(sr + t0, &p, sizeof p);
+                sumv += p;
             }
             if (alpha != 1.0f) {
                 float *ar = acc + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
             }
-            l[r] = l[r] * alpha + sum;
+            l[r] = l[r] * alpha + hsum(sumv);
             m[r] = mnew;
         }
         /* P V, one kv head at a time */
