@@ -4,6 +4,7 @@ splits, its build/cache/disable paths, and the fallbacks when it cannot run."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -302,6 +303,19 @@ def test_missing_or_failing_compiler_is_a_reason_not_a_crash(fresh_native, tmp_p
     q, kp, vp, table, lens = _paged_problem(gen, lq=1)
     out = paged_attention_blocks(q, kp, vp, table, lens)  # still answers, on the torch path
     assert (out.double() - _oracle(q, kp, vp, table, lens)[0]).abs().max() < 2e-6
+
+
+def test_unwritable_cache_folder_is_a_reason(fresh_native, tmp_path):
+    if os.geteuid() == 0:  # root writes anywhere: stand a file where the folder should be
+        blocker = tmp_path / "not-a-folder"
+        blocker.write_text("")
+        fresh_native.setenv("ATTNKIT_CACHE_DIR", str(blocker / "attnkit"))
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        fresh_native.setenv("ATTNKIT_CACHE_DIR", str(locked))
+    assert not native.available()
+    assert "cache folder" in native.unavailable_reason()
 
 
 @needs_native

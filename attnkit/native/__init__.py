@@ -81,7 +81,10 @@ def _compiler() -> Optional[str]:
 
 def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
     """Compile decode.c into ``out``; None on success, else the compiler's complaint."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as exc:
+        return f"cannot write in the kernel cache folder {out.parent}: {exc}"
     os.close(fd)
     cmd = [cc, *_FLAGS, *extra, str(_SOURCE), "-o", tmp, "-lm", "-lpthread"]
     try:
@@ -93,7 +96,11 @@ def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
         os.unlink(tmp)
         err = (proc.stderr or proc.stdout).strip().splitlines()
         return f"{' '.join(cmd)} exited with {proc.returncode}: {' | '.join(err[-3:])}"
-    os.replace(tmp, out)  # atomic: a concurrent builder sees the old file or the whole new one
+    try:
+        os.replace(tmp, out)  # atomic: a concurrent builder sees no file or the whole new one
+    except OSError as exc:
+        os.unlink(tmp)
+        return f"cannot write {out}: {exc}"
     return None
 
 
