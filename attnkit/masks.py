@@ -72,6 +72,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .spec import tensor_argument
+
 __all__ = [
     "MaskMod",
     "and_masks",
@@ -147,20 +149,7 @@ def _check_callables(fn_name: str, mods: Sequence[Any]) -> None:
 
 def _as_index_tensor(name: str, value: Any, dims: tuple[int, ...]) -> Tensor:
     """Turn a list or integer tensor into an int64 tensor with one of ``dims`` dimensions."""
-    if not isinstance(value, Tensor):
-        try:
-            value = torch.as_tensor(value, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"{name} must be an integer tensor or a list of ints, got "
-                f"{type(value).__name__}.") from err
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise TypeError(
-            f"{name} must have an integer dtype, got {value.dtype}; convert it with .long().")
-    if value.dim() not in dims:
-        want = " or ".join(f"{d}-D" for d in dims)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(value.shape)}.")
-    return value.to(torch.int64)
+    return tensor_argument(name, value, dims, "int")
 
 
 # --------------------------------------------------------------------------- helpers

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .spec import tensor_argument
+
 __all__ = [
     "ScoreMod",
     "alibi",
@@ -55,20 +57,7 @@ def _to_device(t: Tensor, like: Tensor) -> Tensor:
 
 
 def _float_tensor(name: str, value: Any, dims: tuple[int, ...]) -> Tensor:
-    if not isinstance(value, Tensor):
-        try:
-            value = torch.as_tensor(value, dtype=torch.float32)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(
-                f"{name} must be a float tensor or a list of floats, got "
-                f"{type(value).__name__}.") from err
-    if not value.dtype.is_floating_point:
-        raise TypeError(
-            f"{name} must have a floating dtype, got {value.dtype}; convert it with .float().")
-    if value.dim() not in dims:
-        want = " or ".join(f"{d}-D" for d in dims)
-        raise ValueError(f"{name} must be {want}, got shape {tuple(value.shape)}.")
-    return value
+    return tensor_argument(name, value, dims, "float")
 
 
 def _additive(bias: BiasFn, name: str, structure: dict) -> ScoreMod:

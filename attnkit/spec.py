@@ -139,6 +139,30 @@ class AttentionSpec:
 # ---- validation helpers --------------------------------------------------------------------
 
 
+def tensor_argument(name: str, value: Any, dims: Tuple[int, ...], kind: str) -> Tensor:
+    """A mask or score-mod argument (a tensor or a list) as a tensor with one of ``dims``
+    dimensions: ``kind="int"`` gives int64 (from any integer dtype), ``kind="float"`` keeps a
+    floating tensor as it is (a list becomes float32)."""
+    integer = kind == "int"
+    noun, what, fix = (("an integer", "ints", ".long()") if integer
+                       else ("a float", "floats", ".float()"))
+    if not isinstance(value, Tensor):
+        try:
+            value = torch.as_tensor(value, dtype=torch.int64 if integer else torch.float32)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"{name} must be {noun} tensor or a list of {what}, got "
+                            f"{type(value).__name__}.") from err
+    wrong = (value.dtype.is_floating_point or value.dtype.is_complex
+             or value.dtype == torch.bool) if integer else not value.dtype.is_floating_point
+    if wrong:
+        raise TypeError(f"{name} must have {'an integer' if integer else 'a floating'} dtype, "
+                        f"got {value.dtype}; convert it with {fix}.")
+    if value.dim() not in dims:
+        want = " or ".join(f"{d}-D" for d in dims)
+        raise ValueError(f"{name} must be {want}, got shape {tuple(value.shape)}.")
+    return value.to(torch.int64) if integer else value
+
+
 def _check_tensor(name: str, x: Any) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")

@@ -504,42 +504,19 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
                    int causal, int bottom_right, int64_t left, int64_t right,
                    float softcap, const float *alibi, float *out, float *lse,
                    int nthreads) {
-    ak_job job;
-    memset(&job, 0, sizeof job);
-    job.q = q;
-    job.qh = qh;
-    job.scale = scale;
-    job.kp = (const char *)kp;
-    job.vp = (const char *)vp;
-    job.ks_page = kstrides[0];
-    job.ks_tok = kstrides[1];
-    job.ks_head = kstrides[2];
-    job.vs_page = vstrides[0];
-    job.vs_tok = vstrides[1];
-    job.vs_head = vstrides[2];
-    job.bt = bt;
-    job.bt_cols = bt_cols;
-    job.seqlens = seqlens;
-    job.B = dims[0];
-    job.Hq = dims[1];
-    job.Hkv = dims[2];
-    job.Lq = dims[3];
-    job.D = dims[4];
-    job.Dv = dims[5];
-    job.P = dims[6];
-    job.splits = splits;
-    job.keys_per_split = keys_per_split;
-    job.dtype = dtype;
-    job.causal = causal;
-    job.bottom_right = bottom_right;
-    job.left = left;
-    job.right = right;
-    job.softcap = softcap;
-    job.alibi = alibi;
-    job.out = out;
-    job.lse = lse;
-    job.ntasks = job.B * splits;
-    job.next = 0;
+    ak_job job = {
+        .q = q, .qh = qh, .scale = scale,
+        .kp = (const char *)kp, .vp = (const char *)vp,
+        .ks_page = kstrides[0], .ks_tok = kstrides[1], .ks_head = kstrides[2],
+        .vs_page = vstrides[0], .vs_tok = vstrides[1], .vs_head = vstrides[2],
+        .bt = bt, .bt_cols = bt_cols, .seqlens = seqlens,
+        .B = dims[0], .Hq = dims[1], .Hkv = dims[2], .Lq = dims[3],
+        .D = dims[4], .Dv = dims[5], .P = dims[6],
+        .splits = splits, .keys_per_split = keys_per_split, .dtype = dtype,
+        .causal = causal, .bottom_right = bottom_right, .left = left, .right = right,
+        .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
+        .ntasks = dims[0] * splits, .next = 0,
+    };
     if (nthreads > 64) nthreads = 64;
     if (nthreads > job.ntasks) nthreads = (int)job.ntasks;
     if (nthreads < 1) nthreads = 1;
