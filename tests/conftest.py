@@ -43,6 +43,19 @@ def rand(*shape, dtype=torch.float64, requires_grad=False, gen=None):
     return x.requires_grad_(requires_grad)
 
 
+def spy(monkeypatch, module, name):
+    """Wrap ``module.name`` so that each call appends ``name`` to the returned list."""
+    calls = []
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
 @pytest.fixture
 def small_tiles(monkeypatch):
     """Force many small tiles so the online softmax crosses tile boundaries."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rand
+from conftest import rand, spy
 
 import attnkit
 from attnkit import backends
@@ -13,26 +13,14 @@ from attnkit.backends import fused, tiled
 from attnkit.spec import build_spec
 
 
-def _spy(monkeypatch, module, name):
-    calls = []
-    original = getattr(module, name)
-
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, wrapper)
-    return calls
-
-
 @pytest.mark.skipif(fused.FWD_OP is None, reason="this torch has no fused CPU flash kernel")
 @pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window=(8, 0), causal=True),
                                 dict(mask=attnkit.masks.document_from_lengths([20, 30, 14])),
                                 dict(alibi_slopes=torch.rand(4))], ids=str)
 def test_fused_kernel_runs_forward_and_backward(kw, monkeypatch):
-    fwd = _spy(monkeypatch, fused, "FWD_OP")
-    bwd = _spy(monkeypatch, fused, "BWD_OP")
-    tiled_fwd = _spy(monkeypatch, tiled, "forward")
+    fwd = spy(monkeypatch, fused, "FWD_OP")
+    bwd = spy(monkeypatch, fused, "BWD_OP")
+    tiled_fwd = spy(monkeypatch, tiled, "forward")
     q = rand(1, 4, 64, 16, dtype=torch.float32, requires_grad=True)
     out = attnkit.attention(q, q, q, **kw)
     out.sum().backward()
@@ -109,7 +97,7 @@ def test_padded_batch_rows_run_on_their_true_lengths(kw, backend):
 
 
 def test_decode_rows_use_the_matmul_path(monkeypatch):
-    fwd = _spy(monkeypatch, fused, "FWD_OP")
+    fwd = spy(monkeypatch, fused, "FWD_OP")
     g = torch.Generator().manual_seed(4)
     q, k = rand(2, 8, 1, 16, gen=g), rand(2, 2, 40, 16, gen=g)
     out, lse = attnkit.attention(q, k, k, return_lse=True, backend="fused")
@@ -126,7 +114,7 @@ def test_paged_decode_fast_path_matches_the_general_path(dtype, fresh_native):
     from attnkit import paged
 
     fresh_native.setenv("ATTNKIT_NATIVE", "0")
-    calls = _spy(fresh_native, paged, "_decode_on_pages")
+    calls = spy(fresh_native, paged, "_decode_on_pages")
     g = torch.Generator().manual_seed(5)
     cache = paged.PagedKVCache(12, 4, 2, 8, dtype=dtype)
     lengths = {"a": 9, "b": 4, "c": 13}
@@ -159,7 +147,7 @@ def test_paged_decode_fast_path_matches_the_general_path(dtype, fresh_native):
                                      diagonal="bottom_right")], ids=str)
 def test_lse_gradient_stays_on_the_fused_kernel(kw, monkeypatch):
     """dlse rides in an extra head column of the fused backward (no tiled fallback)."""
-    tiled_bwd = _spy(monkeypatch, tiled, "backward")
+    tiled_bwd = spy(monkeypatch, tiled, "backward")
     g = torch.Generator().manual_seed(6)
     q = rand(2, 4, 9, 8, gen=g, requires_grad=True)
     k = rand(2, 2, 9, 8, gen=g, requires_grad=True)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import fa_tolerance_ok, naive_attention, rand
+from conftest import fa_tolerance_ok, naive_attention, rand, spy
 
 import attnkit
 from attnkit import native, paged
@@ -139,20 +139,18 @@ def test_split_choice():
 
 @needs_native
 def test_auto_runs_native_on_the_pages_and_gathers_for_gradients(monkeypatch):
-    calls = []
-    real = paged._native_decode
-    monkeypatch.setattr(paged, "_native_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy(monkeypatch, paged, "_native_decode")
     gen = torch.Generator().manual_seed(23)
     q, kp, vp, table, lens = _paged_problem(gen, lq=1)
     out = paged_attention_blocks(q, kp, vp, table, lens)
-    assert calls == [1]
+    assert len(calls) == 1
     ref, _, _ = _oracle(q, kp, vp, table, lens)
     assert (out.double() - ref).abs().max() < 2e-6
     # inputs that need a gradient take the differentiable gather path (whose fused executor
     # still runs its forward in the kernel, see test_dense_decode_runs_native_with_gradients)
     q.requires_grad_(True)
     out = paged_attention_blocks(q, kp, vp, table, lens)
-    assert calls == [1] and out.requires_grad
+    assert len(calls) == 1 and out.requires_grad
     (dq,) = torch.autograd.grad(out.sum(), q)
     k, v = gather_kv(kp, vp, table, lens)
     qd = q.detach().double().requires_grad_(True)
@@ -216,9 +214,7 @@ def test_dense_decode_runs_native_with_gradients(kw, dtype, monkeypatch):
     """attention() on a contiguous cache: the fused executor's decode rows run in the kernel
     (each batch row's keys as one strided page) and its backward starts from the kernel's
     output and LSE."""
-    calls = []
-    real = native.dense_decode
-    monkeypatch.setattr(native, "dense_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy(monkeypatch, native, "dense_decode")
     gen = torch.Generator().manual_seed(30)
     q = rand(2, 8, 1, 32, gen=gen, dtype=dtype, requires_grad=True)
     k = rand(2, 2, 40, 32, gen=gen, dtype=dtype, requires_grad=True)
@@ -253,9 +249,7 @@ def test_dense_decode_runs_native_with_gradients(kw, dtype, monkeypatch):
 @needs_native
 def test_the_cache_and_paged_attention_use_native(monkeypatch):
     """The PagedKVCache front door, with pages that interleave between sequences."""
-    calls = []
-    real = native.paged_decode
-    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(26)
     cache = attnkit.PagedKVCache(16, 4, 2, 16, dtype=torch.bfloat16)
     lengths = {"a": 11, "b": 3, "c": 14}
@@ -268,7 +262,7 @@ def test_the_cache_and_paged_attention_use_native(monkeypatch):
                              rand(1, 2, 16, gen=gen, dtype=torch.bfloat16))
     q = rand(3, 4, 1, 16, gen=gen, dtype=torch.bfloat16)
     out, lse = attnkit.paged_attention(q, cache, list(lengths), return_lse=True)
-    assert calls == [1]
+    assert len(calls) == 1
     table, lens = cache.block_table(list(lengths))
     _check(out, lse, *_oracle(q, cache.k_pages, cache.v_pages, table, lens))
 
