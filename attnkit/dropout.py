@@ -35,8 +35,10 @@ other, e.g. ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``i (1, 1, Lq, 1)``, ``j (1,
 give a ``(B, H, Lq, Lk)`` result. Keeping the index tensors small and broadcast is also what
 makes the first rounds cheap.
 
-Speed: on CPU the grid is processed in cache-sized chunks of ``_CPU_CHUNK`` elements (about
-300 ms for 8M weights on one core); other devices get the whole grid in one pass. The
+Speed: on CPU, the native kernel (attnkit/native/philox.c, built on first use; the same bits)
+fills the grid in one vectorised pass when it is available. Otherwise the grid is processed in
+torch ops in cache-sized chunks of ``_CPU_CHUNK`` elements (about 300 ms for 8M weights on one
+core); other devices get the whole grid in one pass. The
 32x32 -> 64-bit multiply uses wrapping int64 multiplication where a one-time self-check on the
 device confirms that it wraps, and an overflow-free 16-bit split otherwise. Both give
 identical bits.
@@ -277,8 +279,15 @@ def _sub(x: Tensor, idx: Tuple[slice, ...], ndim: int) -> Tensor:
 
 
 def _fill(seed: int, offset: int, grid: _Grid, out: Tensor,
-          convert: Callable[[Tensor, Tensor], None]) -> Tensor:
-    """Run Philox over ``grid`` chunk by chunk; ``convert(word0, out[chunk])`` stores results."""
+          convert: Callable[[Tensor, Tensor], None], threshold: Optional[int] = None) -> Tensor:
+    """Run Philox over ``grid`` chunk by chunk; ``convert(word0, out[chunk])`` stores results.
+    On CPU the native kernel (:func:`attnkit.native.philox_fill`, the same bits) does it in
+    one pass when it is available: ``threshold`` for a keep mask, None for uniforms."""
+    if grid.device.type == "cpu" and len(grid.shape) <= 4 and out.numel():
+        from . import native
+
+        if native.philox_fill(grid.c0, grid.c1, grid.c2, seed, offset, out, threshold):
+            return out
     k0, k1 = seed & _MASK32, seed >> 32
     wrap = _wrapping_mul_ok(grid.device)
     if grid.device.type == "cpu":
@@ -358,7 +367,7 @@ def keep_mask(
         torch.ge(_top_bits(w).expand(dst.shape), threshold, out=dst)
 
     out = torch.empty(grid.shape, dtype=torch.bool, device=grid.device)
-    return _fill(seed, offset, grid, out, convert)
+    return _fill(seed, offset, grid, out, convert, threshold)
 
 
 def dropout_multiplier(

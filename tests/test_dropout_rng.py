@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from attnkit import dropout as D
+from attnkit import native
 from attnkit.dropout import draw_seed, dropout_multiplier, keep_mask, philox_uniform
 
 MASK = 0xFFFFFFFF
@@ -40,10 +41,16 @@ def grid(B, H, Lq, Lk, i0=0, j0=0):
             torch.arange(j0, j0 + Lk).view(1, 1, 1, -1))
 
 
-@pytest.fixture(params=["wrapping_mul", "split_mul"])
-def mul_path(request, monkeypatch):
-    """Run a test through both 32x32->64 multiply implementations."""
-    monkeypatch.setattr(D, "_WRAPPING_MUL", {"cpu": request.param == "wrapping_mul"})
+@pytest.fixture(params=["native", "wrapping_mul", "split_mul"])
+def mul_path(request, fresh_native):
+    """Run a test through the native kernel and both 32x32->64 multiply implementations of
+    the torch-op path (the native kernel is switched off for those)."""
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    else:
+        fresh_native.setenv("ATTNKIT_NATIVE", "0")
+        fresh_native.setattr(D, "_WRAPPING_MUL", {"cpu": request.param == "wrapping_mul"})
     return request.param
 
 
@@ -95,7 +102,7 @@ def test_int_and_zero_dim_indices():
         0, 9)
 
 
-def test_bitwise_independent_of_tiling(monkeypatch):
+def test_bitwise_independent_of_tiling(mul_path, monkeypatch):
     seed, offset = draw_seed(), 11
     H, Lq, Lk = 8, 300, 500
     h = torch.arange(H).view(-1, 1, 1)
@@ -241,3 +248,27 @@ def test_bad_seed_offset_and_indices():
         philox_uniform(1, 0, 0, 0, torch.arange(4), j)
     with pytest.raises(TypeError, match="dtype"):
         dropout_multiplier(1, 0, 0.5, 0, 0, 0, j, dtype=torch.int32)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel unavailable")
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_native_and_torch_paths_agree_bit_for_bit(p, fresh_native):
+    """Masks and uniforms over a 4-D grid with broadcast, strided and transposed index tensors,
+    a row length that is not a multiple of the kernel's block, 64-bit seeds."""
+    b = torch.arange(2).view(2, 1, 1, 1)
+    h = torch.arange(1, 4).view(1, 3, 1, 1)
+    i = torch.arange(5, 70).view(1, 1, 65, 1)
+    j = torch.arange(0, 2 * 301, 2).view(1, 1, 1, 301)
+    jt = torch.arange(999, 999 - 301, -1).view(1, 1, 301, 1)
+    cases = [lambda s, o: keep_mask(s, o, p, b, h, i, j),
+             lambda s, o: philox_uniform(s, o, b, h, i, j),
+             lambda s, o: keep_mask(s, o, p, b, h, i.view(1, 1, 1, 65), jt),
+             lambda s, o: keep_mask(s, o, p, 1, 2, torch.arange(7).view(7, 1),
+                                    torch.arange(18).view(1, 18)[:, ::2])]
+    seeds = [(0, 0), (2**64 - 1, 2**32 - 1), (0x0123456789ABCDEF, 77)]
+    fast = [f(s, o) for s, o in seeds for f in cases]
+    fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    native._reset()
+    slow = [f(s, o) for s, o in seeds for f in cases]
+    for a, c in zip(fast, slow):
+        assert a.dtype == c.dtype and torch.equal(a, c)

@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "MAX_QUERY_ROWS"]
+           "dense_decode", "philox_fill", "MAX_QUERY_ROWS"]
 
-_SOURCE = Path(__file__).with_name("decode.c")
+_SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("philox.c"))
 _ABI = 3  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
@@ -86,7 +86,7 @@ def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
     except OSError as exc:
         return f"cannot write in the kernel cache folder {out.parent}: {exc}"
     os.close(fd)
-    cmd = [cc, *_FLAGS, *extra, str(_SOURCE), "-o", tmp, "-lm", "-lpthread"]
+    cmd = [cc, *_FLAGS, *extra, *(str(src) for src in _SOURCES), "-o", tmp, "-lm", "-lpthread"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -112,9 +112,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         return None, ("no C compiler found (set CC, or install cc/gcc/clang) to build the "
                       "native decode kernel"), {}
     try:
-        source = _SOURCE.read_bytes()
+        source = b"\0".join(src.read_bytes() for src in _SOURCES)
     except OSError as exc:
-        return None, f"cannot read {_SOURCE}: {exc}", {}
+        return None, f"cannot read the kernel sources: {exc}", {}
     info: dict = {"compiler": cc}
     for extra in (("-march=native",), ()):
         key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
@@ -143,6 +143,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, i64, i64, i32, i32,
                                        i32, i64, i64, f32, p, p, p, i32]
         lib.attnkit_decode.restype = i32
+        lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
+                                       ctypes.c_uint32, p]
+        lib.attnkit_philox.restype = None
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         return lib, None, info
@@ -300,6 +303,32 @@ def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tuple[Tensor,
     lens = torch.full((n,), lk, dtype=torch.int64)
     return paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table, lens, scale=scale,
                         causal=False)
+
+
+def philox_fill(c0: Tensor, c1: Tensor, c2: Tensor, seed: int, offset: int, out: Tensor,
+                threshold: Optional[int] = None) -> bool:
+    """Philox-4x32-10 first words over ``out``'s grid, the same bits as
+    :mod:`attnkit.dropout`'s torch ops: ``out`` (bool) gets ``(word >> 8) >= threshold``, or
+    ``out`` (float32, ``threshold=None``) gets ``(word >> 8) * 2**-24``. ``c0, c1, c2`` are
+    int64 counter words (validated by the caller) that broadcast to ``out``'s shape (at most
+    4-D, contiguous, CPU). Returns False, doing nothing, when the kernel is unavailable."""
+    lib = _lib()
+    if lib is None:
+        return False
+    shape = tuple(out.shape)
+    pad = (1,) * (4 - len(shape))
+    words, strides = [], []
+    for x in (c0, c1, c2):
+        x = x.reshape((1,) * (len(shape) - x.dim()) + tuple(x.shape)).expand(shape)
+        x = x.reshape(pad + shape) if x.dim() < 4 else x
+        words.append(x)
+        strides.append(torch.tensor(x.stride(), dtype=torch.int64))
+    dims = torch.tensor(pad + shape, dtype=torch.int64)
+    lib.attnkit_philox(words[0].data_ptr(), strides[0].data_ptr(), words[1].data_ptr(),
+                       strides[1].data_ptr(), words[2].data_ptr(), strides[2].data_ptr(),
+                       dims.data_ptr(), offset, seed, 0 if threshold is not None else 1,
+                       threshold or 0, out.data_ptr())
+    return True
 
 
 def describe() -> Any:
