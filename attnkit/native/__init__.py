@@ -1,19 +1,22 @@
-"""The native decode kernel: attention of a few query rows over a paged KV cache, in C.
+"""attnkit's two native kernels, in C: decoding over a (paged) KV cache, and Philox dropout.
 
 Decoding reads every cached key and value once per generated token, so it is bound by memory
 bandwidth; torch's matmuls with a handful of query rows per head reach about half of what the
 memory can deliver and a paged cache adds one call per page. ``decode.c`` reads the pages in
 place, front to back, dots each key row with all the query rows of its kv head and keeps the
-online softmax in float32 (see the comment at its top).
+online softmax in float32 (see the comment at its top). Long contexts with few sequences are
+split across threads by key range (flash-decoding) and the partial states merged by
+log-sum-exp with :func:`attnkit.merge.merge_states`.
 
-It is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
-into a cache folder (``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit`` or
-``~/.cache/attnkit``), keyed by the source, the compiler, the flags and this CPU, and loaded
-with :mod:`ctypes`. Without a compiler, or with ``ATTNKIT_NATIVE=0``, :func:`available` is
-False, :func:`unavailable_reason` says why and attnkit uses its torch executors instead.
+``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
+times faster than the same rounds in torch integer ops.
 
-Long contexts with few sequences are split across threads by key range (flash-decoding) and
-the partial states merged by log-sum-exp with :func:`attnkit.merge.merge_states`.
+Both are built on first use, into one library, with the system C compiler (``$CC``, else
+``cc``/``gcc``/``clang``) into a cache folder (``$ATTNKIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``), keyed by the sources, the compiler, the
+flags and this CPU, and loaded with :mod:`ctypes` (calls release the GIL). Without a compiler,
+or with ``ATTNKIT_NATIVE=0``, :func:`available` is False, :func:`unavailable_reason` says why
+and attnkit runs the same computations in torch ops instead.
 """
 
 from __future__ import annotations
