@@ -211,16 +211,16 @@ def test_bad_inputs_are_caught_before_the_kernel():
 @pytest.mark.parametrize("kw", [dict(), dict(seqlens_kv=torch.tensor([40, 7]))],
                          ids=["full", "padded"])
 def test_dense_decode_runs_native_with_gradients(kw, dtype, monkeypatch):
-    """attention() on a contiguous cache: the fused executor's decode rows run in the kernel
-    (each batch row's keys as one strided page) and its backward starts from the kernel's
-    output and LSE."""
-    calls = spy(monkeypatch, native, "dense_decode")
+    """attention() on a contiguous (maybe right-padded) cache: the fused executor's decode rows
+    run in the kernel (each batch row's keys as one strided page) and its backward starts from
+    the kernel's output and LSE."""
+    calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(30)
     q = rand(2, 8, 1, 32, gen=gen, dtype=dtype, requires_grad=True)
     k = rand(2, 2, 40, 32, gen=gen, dtype=dtype, requires_grad=True)
     v = rand(2, 2, 40, 16, gen=gen, dtype=dtype, requires_grad=True)
     out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
-    assert len(calls) == (1 if not kw else 2)
+    assert len(calls) == 1  # padded rows too: one call, each row on its own length
     qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     ref, ref_lse = attention_reference(qd, kd, vd, return_lse=True, **kw)
     grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, 16)).sum(), (q, k, v))
@@ -244,6 +244,59 @@ def test_dense_decode_runs_native_with_gradients(kw, dtype, monkeypatch):
         for a, b, c in zip(grads, ref_grads, plain_grads):
             ok, err, base = fa_tolerance_ok(a, b, c, mult=3.0)
             assert ok, (err, base)
+
+
+@needs_native
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, diagonal="bottom_right", window=(3, 0)),
+    dict(causal=True, diagonal="top_left", alibi_slopes=torch.linspace(0.1, 0.8, 8)),
+    dict(sinks=torch.linspace(-1.0, 1.0, 8)),
+], ids=["window_br", "alibi_tl", "sinks"])
+def test_padded_decode_options_run_native(kw, monkeypatch):
+    calls = spy(monkeypatch, native, "paged_decode")
+    gen = torch.Generator().manual_seed(33)
+    q = rand(3, 8, 2, 32, gen=gen, dtype=torch.float32, requires_grad=True)
+    k = rand(3, 2, 30, 32, gen=gen, dtype=torch.float32, requires_grad=True)
+    v = rand(3, 2, 30, 32, gen=gen, dtype=torch.float32, requires_grad=True)
+    lens = torch.tensor([30, 9, 2])
+    out, lse = attnkit.attention(q, k, v, seqlens_kv=lens, return_lse=True, **kw)
+    assert len(calls) == 1
+    qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref_kw = {key: (val.double() if key == "sinks" else val) for key, val in kw.items()}
+    ref, ref_lse = attention_reference(qd, kd, vd, seqlens_kv=lens, return_lse=True, **ref_kw)
+    _check(out, lse, ref, ref_lse, None)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, r in zip(grads, torch.autograd.grad(ref.sum(), (qd, kd, vd))):
+        assert (g.double() - r).abs().max() < 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("lq", [1, 2], ids=["decode", "two_rows"])
+def test_varlen_decoding_rows_run_native_with_gradients(lq, monkeypatch):
+    """Packed sequences with a few new rows each (continuous batching): each sequence's
+    unmasked piece runs in the kernel, the causal square (lq > 1) in torch's kernel."""
+    calls = spy(monkeypatch, native, "dense_decode")
+    gen = torch.Generator().manual_seed(32)
+    lens_k = [5, 40, 1 + lq, 77]
+    cu_q = torch.tensor([0, lq, 2 * lq, 3 * lq, 4 * lq], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 45, 46 + lq, 123 + lq], dtype=torch.int32)
+    q = rand(4 * lq, 8, 32, gen=gen, dtype=torch.float32, requires_grad=True)
+    k = rand(int(cu_k[-1]), 2, 32, gen=gen, dtype=torch.float32, requires_grad=True)
+    v = rand(int(cu_k[-1]), 2, 16, gen=gen, dtype=torch.float32, requires_grad=True)
+    out = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, diagonal="bottom_right")
+    assert len(calls) == 4
+    w = torch.linspace(-1, 1, 16)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for b in range(4):
+        qs, ks = slice(b * lq, (b + 1) * lq), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        assert ks.stop - ks.start == lens_k[b]
+        qd, kd, vd = (x[s].detach().double().transpose(0, 1).requires_grad_(True)
+                      for x, s in ((q, qs), (k, ks), (v, ks)))
+        ref = attention_reference(qd, kd, vd, causal=True, diagonal="bottom_right")
+        assert (out[qs].double() - ref.transpose(0, 1)).abs().max() < 2e-6
+        rg = torch.autograd.grad((ref.transpose(0, 1) * w.double()).sum(), (qd, kd, vd))
+        for g, r, s in zip(grads, rg, (qs, ks, ks)):
+            assert (g[s].double() - r.transpose(0, 1)).abs().max() < 1e-5
 
 
 @needs_native

@@ -440,6 +440,12 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     cd = spec.compute_dtype
     n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
     if fplan.batches is not None:
+        decoded = _native_padded(spec)
+        if decoded is not None:  # decoding over a padded cache: one kernel call, all rows
+            out, lse = (x.to(cd) for x in decoded)
+            if spec.sinks is not None:
+                out, lse = _add_sinks(spec, out, lse)
+            return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
         out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
         lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
         for b, sq, _, sub, sub_plan in fplan.batches:
@@ -466,13 +472,22 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     started = set()
     for piece in fplan.pieces:
         qs = slice(piece.q0, piece.q1)
-        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
-        mask = seen = None
-        if piece.masked:
-            mask, seen = _piece_mask(spec, fplan, piece, md)
-        o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
-                      scale=spec.scale)
-        o, l = o[..., :dv], l.to(cd)
+        decoded = seen = None
+        if (not piece.masked and not piece.causal and piece.keys is not None
+                and (piece.q1 - piece.q0) * spec.groups <= SMALL_Q):
+            k0, k1 = piece.keys  # e.g. one decoding row per packed sequence
+            decoded = _native_rows(spec.q[:, :, qs], spec.k[:, :, k0:k1], spec.v[:, :, k0:k1],
+                                   spec.scale)
+        if decoded is not None:
+            o, l = (x.to(cd) for x in decoded)
+        else:
+            kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+            mask = None
+            if piece.masked:
+                mask, seen = _piece_mask(spec, fplan, piece, md)
+            o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
+                          scale=spec.scale)
+            o, l = o[..., :dv], l.to(cd)
         if seen is not None:
             l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
         if out is None and piece.q0 == 0 and piece.q1 == lq and len(fplan.pieces) == 1:
@@ -509,13 +524,9 @@ def _small_q_forward(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
     V, float32 math), else scores, softmax and output as plain matmuls (the flash kernel is
     built for long query blocks)."""
     cd = spec.compute_dtype  # scores in float32 like the kernel (bf16 scores lose digits)
-    if spec.q.dtype != torch.float64:
-        from .. import native
-
-        q, k, v = (x.detach() for x in (spec.q, spec.k, spec.v))
-        if not native.decode_reasons(q, k, v, grad_ok=True):
-            out, lse = native.dense_decode(q, k, v, spec.scale)
-            return out.to(cd), lse.to(cd)
+    decoded = _native_rows(spec.q, spec.k, spec.v, spec.scale)
+    if decoded is not None:
+        return decoded[0].to(cd), decoded[1].to(cd)
     n, hq, lq, _ = spec.q.shape
     rows = spec.groups * lq
     qg = (spec.q.to(cd) * spec.scale).reshape(n, spec.hkv, rows, -1)
@@ -524,6 +535,41 @@ def _small_q_forward(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
     p = torch.exp(s.sub_(lse))
     out = torch.matmul(p, spec.v.to(cd))
     return out.reshape(n, hq, lq, -1), lse.reshape(n, hq, lq)
+
+
+def _native_rows(q: Tensor, k: Tensor, v: Tensor, scale: float
+                 ) -> Optional[Tuple[Tensor, Tensor]]:
+    """Unmasked attention of a few query rows in the native decode kernel (float32 out and
+    LSE), or None where it cannot run; the backward needs only out and LSE."""
+    if q.dtype == torch.float64:
+        return None
+    from .. import native
+
+    q, k, v = q.detach(), k.detach(), v.detach()
+    if native.decode_reasons(q, k, v, grad_ok=True):
+        return None
+    return native.dense_decode(q, k, v, scale)
+
+
+def _native_padded(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+    """Decoding rows over a right-padded cache (``seqlens_kv``, maybe causal/window/ALiBi) in
+    one native kernel call, which takes each row's own length; None where it cannot run."""
+    if (spec.seqlens_kv is None or spec.seqlens_q is not None or spec.q.dtype == torch.float64
+            or spec.lq * spec.groups > SMALL_Q or spec.mask is not None
+            or spec.block_mask is not None or spec.mask_mod is not None
+            or spec.segments_q is not None or spec.bias is not None
+            or spec.score_mod is not None or spec.row_offset is not None):
+        return None
+    from .. import native
+
+    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
+    if native.decode_reasons(q, k, v, grad_ok=True):
+        return None
+    table = torch.arange(spec.n, dtype=torch.int64).view(-1, 1)
+    return native.paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table,
+                               spec.seqlens_kv, scale=spec.scale, causal=False,
+                               diagonal=spec.diagonal, window=(spec.left, spec.right),
+                               alibi_slopes=spec.alibi_slopes)
 
 
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
