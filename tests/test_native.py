@@ -129,6 +129,28 @@ def test_flash_decoding_splits_agree(threads):
         _check(out, lse, ref, ref_lse, None)
 
 
+@needs_native
+def test_packed_sequences_with_start_offsets():
+    """Sequences packed in one long page, addressed by start offsets that cross no page
+    boundary but do cross the kernel's 64-token chunks, with any key split."""
+    gen = torch.Generator().manual_seed(34)
+    total, starts, lens = 700, torch.tensor([0, 13, 300, 699]), torch.tensor([13, 287, 399, 1])
+    k = rand(1, total, 2, 32, gen=gen, dtype=torch.float32)
+    v = rand(1, total, 2, 16, gen=gen, dtype=torch.float32)
+    q = rand(4, 8, 1, 32, gen=gen, dtype=torch.float32)
+    table = torch.zeros(4, 1, dtype=torch.int64)
+    for splits in (1, 2, 5):
+        out, lse = native.paged_decode(q, k, v, table, lens, scale=0.2, causal=False,
+                                       starts=starts, splits=splits)
+        for b in range(4):
+            ks = slice(int(starts[b]), int(starts[b] + lens[b]))
+            ref, ref_lse = attention_reference(q[b:b + 1].double(),
+                                               k[:, ks].transpose(1, 2).double(),
+                                               v[:, ks].transpose(1, 2).double(), scale=0.2,
+                                               return_lse=True)
+            _check(out[b:b + 1], lse[b:b + 1], ref, ref_lse, None)
+
+
 def test_split_choice():
     assert native._splits(batch=8, keys=8192, threads=2) == 1
     assert native._splits(batch=1, keys=8192, threads=2) == 2
@@ -273,9 +295,10 @@ def test_padded_decode_options_run_native(kw, monkeypatch):
 @needs_native
 @pytest.mark.parametrize("lq", [1, 2], ids=["decode", "two_rows"])
 def test_varlen_decoding_rows_run_native_with_gradients(lq, monkeypatch):
-    """Packed sequences with a few new rows each (continuous batching): each sequence's
-    unmasked piece runs in the kernel, the causal square (lq > 1) in torch's kernel."""
-    calls = spy(monkeypatch, native, "dense_decode")
+    """Packed sequences with new rows (continuous batching): one decoding row each runs as one
+    kernel call over the packed K/V; with two rows, each sequence's unmasked piece runs in the
+    kernel and its causal square in torch's kernel."""
+    calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(32)
     lens_k = [5, 40, 1 + lq, 77]
     cu_q = torch.tensor([0, lq, 2 * lq, 3 * lq, 4 * lq], dtype=torch.int32)
@@ -284,7 +307,7 @@ def test_varlen_decoding_rows_run_native_with_gradients(lq, monkeypatch):
     k = rand(int(cu_k[-1]), 2, 32, gen=gen, dtype=torch.float32, requires_grad=True)
     v = rand(int(cu_k[-1]), 2, 16, gen=gen, dtype=torch.float32, requires_grad=True)
     out = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, diagonal="bottom_right")
-    assert len(calls) == 4
+    assert len(calls) == (1 if lq == 1 else 4)  # decode: one call for all sequences
     w = torch.linspace(-1, 1, 16)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     for b in range(4):

@@ -442,31 +442,24 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     if fplan.batches is not None:
         decoded = _native_padded(spec)
         if decoded is not None:  # decoding over a padded cache: one kernel call, all rows
-            out, lse = (x.to(cd) for x in decoded)
-            if spec.sinks is not None:
-                out, lse = _add_sinks(spec, out, lse)
-            return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+            return _result(spec, decoded[0].to(cd), decoded[1].to(cd))
         out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
         lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
         for b, sq, _, sub, sub_plan in fplan.batches:
             r = forward(sub, sub_plan)
             out[b:b + 1, :, :sq] = r.out
             lse[b:b + 1, :, :sq] = r.lse
-        if spec.sinks is not None:
-            out, lse = _add_sinks(spec, out, lse)
-        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+        return _result(spec, out, lse)
     if fplan.whole and spec.lq * spec.groups <= SMALL_Q:
-        out, lse = _small_q_forward(spec)
-        if spec.sinks is not None:
-            out, lse = _add_sinks(spec, out, lse)
-        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+        return _result(spec, *_small_q_forward(spec))
+    decoded = _native_packed(spec, fplan.pieces)
+    if decoded is not None:  # one decoding piece per packed sequence: one kernel call
+        return _result(spec, *decoded)
     inp = _Inputs(spec)
     if fplan.whole:
         out, lse = FWD_OP(inp.q, inp.k, inp.v, 0.0, False, scale=spec.scale)
         out, lse = out[..., :dv], lse.to(cd)
-        if spec.sinks is not None:
-            out, lse = _add_sinks(spec, out, lse)
-        return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+        return _result(spec, out, lse)
     md = _mask_dtype(spec)
     out = lse = None
     started = set()
@@ -510,9 +503,7 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> tiled.ForwardResult:
     for a, b in _gaps(started, lq):  # rows that no piece touched see no key
         out[:, :, a:b] = 0
         lse[:, :, a:b] = float("-inf")
-    if spec.sinks is not None:
-        out, lse = _add_sinks(spec, out, lse)
-    return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+    return _result(spec, out, lse)
 
 
 #: Query rows per key/value head up to which an unmasked call runs as two matmuls (decoding).
@@ -572,6 +563,39 @@ def _native_padded(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
                                alibi_slopes=spec.alibi_slopes)
 
 
+def _native_packed(spec: AttentionSpec, pieces: List[Piece]) -> Optional[Tuple[Tensor, Tensor]]:
+    """Packed sequences with the same few query rows each, every row seeing its sequence's
+    keys (decoding with continuous batching): all of them in one native kernel call, each
+    sequence's keys read in place from the packed K/V. None where this does not apply."""
+    if not pieces or spec.n != 1 or spec.q.dtype == torch.float64:
+        return None
+    rows = pieces[0].q1 - pieces[0].q0
+    if rows * spec.groups > SMALL_Q or any(
+            p.masked or p.causal or p.keys is None or p.q1 - p.q0 != rows for p in pieces):
+        return None
+    q0s = [p.q0 for p in pieces]
+    if len(set(q0s)) != len(q0s):
+        return None  # a row in several pieces: they merge, the piece loop does that
+    from .. import native
+
+    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
+    if native.decode_reasons(q, k, v, grad_ok=True):
+        return None
+    dev, cd = q.device, spec.compute_dtype
+    idx = torch.cat([torch.arange(p.q0, p.q1, device=dev) for p in pieces])
+    qb = q[0].index_select(1, idx).view(spec.hq, len(pieces), rows, -1).transpose(0, 1)
+    starts = torch.tensor([p.keys[0] for p in pieces], dtype=torch.int64)
+    lens = torch.tensor([p.keys[1] - p.keys[0] for p in pieces], dtype=torch.int64)
+    table = torch.zeros(len(pieces), 1, dtype=torch.int64)
+    o, l = native.paged_decode(qb, k.transpose(1, 2), v.transpose(1, 2), table, lens,
+                               scale=spec.scale, causal=False, starts=starts)
+    out = torch.zeros(1, spec.hq, spec.lq, spec.dv, dtype=cd, device=dev)
+    lse = torch.full((1, spec.hq, spec.lq), float("-inf"), dtype=cd, device=dev)
+    out[0].index_copy_(1, idx, o.transpose(0, 1).reshape(spec.hq, -1, spec.dv).to(cd))
+    lse[0].index_copy_(1, idx, l.transpose(0, 1).reshape(spec.hq, -1).to(cd))
+    return out, lse
+
+
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
     """Intervals of [0, length) covered by none of ``ranges``."""
     gaps, pos = [], 0
@@ -582,6 +606,13 @@ def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
     if pos < length:
         gaps.append((pos, length))
     return gaps
+
+
+def _result(spec: AttentionSpec, out: Tensor, lse: Tensor) -> tiled.ForwardResult:
+    """The forward's result: sinks folded into out/LSE, no max scores (the kernel has none)."""
+    if spec.sinks is not None:
+        out, lse = _add_sinks(spec, out, lse)
+    return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
 
 
 def _no_max(lse: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
            "dense_decode", "philox_fill", "MAX_QUERY_ROWS"]
 
 _SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("philox.c"))
-_ABI = 3  # AK_ABI in decode.c
+_ABI = 4  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -143,8 +143,8 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         if lib.attnkit_native_abi() != _ABI:
             return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, i64, i64, i32, i32,
-                                       i32, i64, i64, f32, p, p, p, i32]
+        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, p, i64, i64, i32,
+                                       i32, i32, i64, i64, f32, p, p, p, i32]
         lib.attnkit_decode.restype = i32
         lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
                                        ctypes.c_uint32, p]
@@ -232,7 +232,7 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
                  window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                  softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                  splits: Optional[int] = None, threads: Optional[int] = None,
-                 ) -> Tuple[Tensor, Tensor]:
+                 starts: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of ``q (B, Hq, Lq, D)`` over paged keys/values, in the native kernel.
 
     The caller has validated the shapes and the block table (every page a sequence uses lies
@@ -241,8 +241,9 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     ``i + seqlens[b] - Lq`` (bottom_right) or ``i`` (top_left) for ``causal``, ``window`` and
     ALiBi; ``alibi_slopes`` is ``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)``. ``splits`` (key ranges
     per sequence, merged by LSE) and ``threads`` default to :func:`_splits` and
-    ``torch.get_num_threads()``. Returns ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``,
-    both float32.
+    ``torch.get_num_threads()``. ``starts (B,)`` shifts where each sequence begins in its
+    block-table row (packed sequences in one long page). Returns ``out (B, Hq, Lq, Dv)`` and
+    ``lse (B, Hq, Lq)``, both float32.
     """
     lib = _lib()
     if lib is None:
@@ -252,7 +253,7 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     dv = v_pages.shape[3]
     threads = torch.get_num_threads() if threads is None else max(1, int(threads))
     width = block_table.shape[1]
-    keys = width * page_size  # the longest a sequence can be
+    keys = max(1, int(seqlens.max())) if bsz else 1  # the longest sequence
     if splits is None:
         splits = _splits(bsz, keys, threads)
     splits = max(1, min(int(splits), keys))
@@ -266,6 +267,7 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
                             and _state["info"].get("bf16_dot")) else None
     bt = block_table.to(torch.int64).contiguous()
     lens = seqlens.to(torch.int64).contiguous()
+    first = None if starts is None else starts.to(torch.int64).contiguous()
     kst = torch.tensor(k_pages.stride()[:3], dtype=torch.int64)
     vst = torch.tensor(v_pages.stride()[:3], dtype=torch.int64)
     dims = torch.tensor([bsz, hq, hkv, lq, d, dv, page_size], dtype=torch.int64)
@@ -280,7 +282,8 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     rc = lib.attnkit_decode(
         qf.data_ptr(), qh.data_ptr() if qh is not None else None, float(scale),
         k_pages.data_ptr(), v_pages.data_ptr(), kst.data_ptr(), vst.data_ptr(),
-        bt.data_ptr(), width, lens.data_ptr(), dims.data_ptr(), splits, per_split,
+        bt.data_ptr(), width, lens.data_ptr(), first.data_ptr() if first is not None else None,
+        dims.data_ptr(), splits, per_split,
         _DTYPES[k_pages.dtype], int(causal), int(diagonal == "bottom_right"), left, right,
         float(softcap) if softcap is not None else 0.0,
         slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AK_ABI 3
+#define AK_ABI 4
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #define AK_W 16     /* floats per vector; the Python side calls with D, Dv multiples of it */
 #define AK_INLINE static inline __attribute__((always_inline))
@@ -45,6 +45,8 @@ typedef struct {
     const int64_t *bt;         /* (B, bt_cols) contiguous */
     int64_t bt_cols;
     const int64_t *seqlens;    /* (B,) */
+    const int64_t *starts;     /* NULL, or (B,): sequence b's key j sits at position
+                                * starts[b] + j of its block-table row (packed sequences) */
     int64_t B, Hq, Hkv, Lq, D, Dv, P;
     int64_t splits, keys_per_split;
     int dtype;
@@ -341,9 +343,9 @@ typedef struct {
 } ak_scratch;
 
 /* the chunk of keys starting at c0: up to AK_CHUNK tokens, never past a page or k1 */
-AK_INLINE int64_t chunk_end(int64_t c0, int64_t P, int64_t k1) {
+AK_INLINE int64_t chunk_end(int64_t c0, int64_t base, int64_t P, int64_t k1) {
     int64_t c1 = c0 + AK_CHUNK;
-    const int64_t page_end = (c0 / P + 1) * P;
+    const int64_t page_end = ((base + c0) / P + 1) * P - base;
     if (c1 > page_end) c1 = page_end;
     return c1 > k1 ? k1 : c1;
 }
@@ -353,7 +355,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int64_t D = job->D, Dv = job->Dv, P = job->P, R = Hq * Lq;
     const int64_t rows_per_head = (Hq / Hkv) * Lq; /* kv head h: rows [h, h + 1) * this */
     const int64_t s = task % S, b = task / S;
-    const int64_t L = job->seqlens[b];
+    const int64_t L = job->seqlens[b], base = job->starts ? job->starts[b] : 0;
     const int dtype = job->dtype, esz = dtype == AK_F32 ? 4 : 2;
     float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope;
     int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
@@ -386,10 +388,10 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const float cap = job->softcap;
 
     for (int64_t c0 = k0; c0 < k1;) {
-        const int64_t c1 = chunk_end(c0, P, k1), n = c1 - c0;
-        const int64_t page = job->bt[b * job->bt_cols + c0 / P];
-        const char *kbase = job->kp + (page * job->ks_page + (c0 % P) * job->ks_tok) * esz;
-        const char *vbase = job->vp + (page * job->vs_page + (c0 % P) * job->vs_tok) * esz;
+        const int64_t c1 = chunk_end(c0, base, P, k1), n = c1 - c0, pos = base + c0;
+        const int64_t page = job->bt[b * job->bt_cols + pos / P];
+        const char *kbase = job->kp + (page * job->ks_page + (pos % P) * job->ks_tok) * esz;
+        const char *vbase = job->vp + (page * job->vs_page + (pos % P) * job->vs_tok) * esz;
         /* scores, token by token in memory order */
         for (int64_t t = 0; t < n; ++t) {
             for (int64_t h = 0; h < Hkv; ++h)
@@ -499,6 +501,7 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
                    const void *vp,
                    const int64_t *kstrides, const int64_t *vstrides,
                    const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
+                   const int64_t *starts,
                    const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P */
                    int64_t splits, int64_t keys_per_split, int dtype,
                    int causal, int bottom_right, int64_t left, int64_t right,
@@ -509,7 +512,7 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
         .kp = (const char *)kp, .vp = (const char *)vp,
         .ks_page = kstrides[0], .ks_tok = kstrides[1], .ks_head = kstrides[2],
         .vs_page = vstrides[0], .vs_tok = vstrides[1], .vs_head = vstrides[2],
-        .bt = bt, .bt_cols = bt_cols, .seqlens = seqlens,
+        .bt = bt, .bt_cols = bt_cols, .seqlens = seqlens, .starts = starts,
         .B = dims[0], .Hq = dims[1], .Hkv = dims[2], .Lq = dims[3],
         .D = dims[4], .Dv = dims[5], .P = dims[6],
         .splits = splits, .keys_per_split = keys_per_split, .dtype = dtype,
