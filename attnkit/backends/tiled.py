@@ -50,7 +50,12 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
     """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi. With
     ``inplace`` the tile ``s`` is overwritten (the forward needs no intermediate)."""
     if spec.softcap is not None:  # s arrives already divided by the cap (see q_tile)
-        s = (s.tanh_() if inplace else s.tanh()).mul_(spec.softcap)
+        from .. import native
+
+        if not inplace:
+            s = s.clone()
+        if not native.softcap_forward_(s, spec.softcap):  # cap * tanh in one pass
+            s.tanh_().mul_(spec.softcap)
         inplace = True
     if spec.bias is not None:
         b = slice_tile(spec.bias, q0, q1, k0, k1)
@@ -293,8 +298,14 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
     if dbias is not None:
         _accumulate_broadcast(dbias, ds, q0, q1, k0, k1)
     if spec.softcap is not None:  # raw is scale * q.k / cap: d(cap * tanh(raw)) / d raw
-        th = torch.tanh(raw)
-        ds = ds * (1.0 - th * th) * spec.softcap
+        from .. import native
+
+        fast = native.softcap_backward(ds, raw, spec.softcap)
+        if fast is not None:
+            ds = fast
+        else:
+            th = torch.tanh(raw)
+            ds = ds * (1.0 - th * th) * spec.softcap
     return ds
 
 

@@ -37,9 +37,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "dense_decode", "philox_fill", "MAX_QUERY_ROWS"]
+           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "MAX_QUERY_ROWS"]
 
-_SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("philox.c"))
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c")
+_HEADERS = (_HERE / "vecmath.h",)
 _ABI = 4  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
@@ -115,7 +117,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         return None, ("no C compiler found (set CC, or install cc/gcc/clang) to build the "
                       "native decode kernel"), {}
     try:
-        source = b"\0".join(src.read_bytes() for src in _SOURCES)
+        source = b"\0".join(src.read_bytes() for src in _SOURCES + _HEADERS)
     except OSError as exc:
         return None, f"cannot read the kernel sources: {exc}", {}
     info: dict = {"compiler": cc}
@@ -149,6 +151,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
                                        ctypes.c_uint32, p]
         lib.attnkit_philox.restype = None
+        lib.attnkit_softcap_forward.argtypes = [p, i64, f32, i32]
+        lib.attnkit_softcap_forward.restype = None
+        lib.attnkit_softcap_backward.argtypes = [p, p, p, i64, f32, i32]
+        lib.attnkit_softcap_backward.restype = None
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         return lib, None, info
@@ -335,6 +341,33 @@ def philox_fill(c0: Tensor, c1: Tensor, c2: Tensor, seed: int, offset: int, out:
                        dims.data_ptr(), offset, seed, 0 if threshold is not None else 1,
                        threshold or 0, out.data_ptr())
     return True
+
+
+def _plain_f32(*xs: Tensor) -> bool:
+    return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+               for x in xs)
+
+
+def softcap_forward_(x: Tensor, cap: float) -> bool:
+    """``x <- cap * tanh(x)`` in place (float32, contiguous, CPU), one pass; False (nothing
+    done) when the kernel is unavailable or ``x`` does not qualify."""
+    lib = _lib()
+    if lib is None or not _plain_f32(x):
+        return False
+    lib.attnkit_softcap_forward(x.data_ptr(), x.numel(), float(cap), torch.get_num_threads())
+    return True
+
+
+def softcap_backward(ds: Tensor, raw: Tensor, cap: float) -> Optional[Tensor]:
+    """``ds * cap * (1 - tanh(raw)**2)``, the gradient through ``cap * tanh(raw)``, in one
+    pass; None when the kernel is unavailable or the tensors do not qualify."""
+    lib = _lib()
+    if lib is None or ds.shape != raw.shape or not _plain_f32(ds, raw):
+        return None
+    out = torch.empty_like(ds)
+    lib.attnkit_softcap_backward(ds.data_ptr(), raw.data_ptr(), out.data_ptr(), ds.numel(),
+                                 float(cap), torch.get_num_threads())
+    return out
 
 
 def describe() -> Any:
