@@ -1,4 +1,4 @@
-"""attnkit's two native kernels, in C: decoding over a (paged) KV cache, and Philox dropout.
+"""attnkit's native kernels, in C: decoding over a (paged) KV cache, Philox dropout, softcap.
 
 Decoding reads every cached key and value once per generated token, so it is bound by memory
 bandwidth; torch's matmuls with a handful of query rows per head reach about half of what the
@@ -9,9 +9,10 @@ split across threads by key range (flash-decoding) and the partial states merged
 log-sum-exp with :func:`attnkit.merge.merge_states`.
 
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
-times faster than the same rounds in torch integer ops.
+times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
+``cap * tanh`` pass and its gradient, one sweep each (``vecmath.h``: the shared exp/tanh).
 
-Both are built on first use, into one library, with the system C compiler (``$CC``, else
+All are built on first use, into one library, with the system C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into a cache folder (``$ATTNKIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``), keyed by the sources, the compiler, the
 flags and this CPU, and loaded with :mod:`ctypes` (calls release the GIL). Without a compiler,
