@@ -365,15 +365,22 @@ def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torc
     dev = spec.q.device
     j = (torch.arange(*piece.keys, device=dev) if piece.keys is not None
          else _key_index(plan, piece, dev))
-    add = _additive(spec, piece.q0, piece.q1, j, piece.keys, dtype)
     vis = _piece_visibility(spec, plan, piece)
+    if vis is not None and _alibi_only(spec) and vis.shape[1] == 1:
+        # -inf through the head-independent distances: inf * -slope, no per-head fill
+        dist = (spec.aligned_rows(piece.q0, piece.q1) - j.view(1, 1, 1, -1)).abs_().to(dtype)
+        dist = torch.where(vis, dist, torch.full((), float("inf"), dtype=dtype, device=dev))
+        return dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg(), vis.any(-1)
+    add, fresh = _additive(spec, piece.q0, piece.q1, j, piece.keys, dtype)
     if add is None and vis is None:
         return None, None
     if add is None:
         zero = torch.zeros((), dtype=dtype, device=dev)
         mask = torch.where(vis, zero, torch.full((), float("-inf"), dtype=dtype, device=dev))
-    elif vis is not None:
-        mask = add.masked_fill(~vis, float("-inf"))
+    elif vis is not None:  # in place when the tile is ours (not a view of the user's bias)
+        fill = add.masked_fill_ if fresh and add.shape == torch.broadcast_shapes(
+            add.shape, vis.shape) else add.masked_fill
+        mask = fill(~vis, float("-inf"))
     else:
         mask = add
     if spec.bias is not None or spec.score_mod is not None:
@@ -381,6 +388,12 @@ def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torc
     else:
         seen = vis.any(-1) if vis is not None else None
     return mask, seen
+
+
+def _alibi_only(spec: AttentionSpec) -> bool:
+    """ALiBi is the only additive term and every slope is > 0 (so inf * -slope = -inf)."""
+    return (spec.alibi_slopes is not None and spec.bias is None and spec.score_mod is None
+            and bool((spec.alibi_slopes > 0).all()))
 
 
 def _piece_visibility(spec: AttentionSpec, plan: Plan, piece: Piece) -> Optional[Tensor]:
@@ -402,10 +415,13 @@ def _piece_visibility(spec: AttentionSpec, plan: Plan, piece: Piece) -> Optional
 
 
 def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
-              keys: Optional[Tuple[int, int]], dtype: torch.dtype) -> Optional[Tensor]:
+              keys: Optional[Tuple[int, int]], dtype: torch.dtype
+              ) -> Tuple[Optional[Tensor], bool]:
     """Sum of the additive score terms for query rows [q0, q1) and key positions ``j`` (the
-    contiguous range ``keys`` when not None)."""
+    contiguous range ``keys`` when not None), and whether that tensor was made here (so it
+    may be written in place; a bias slice may be the caller's own tensor)."""
     tile: Optional[Tensor] = None
+    fresh = False
     dev = spec.q.device
     i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
     jj = j.view(1, 1, 1, -1)
@@ -418,14 +434,14 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
     if spec.alibi_slopes is not None:
         dist = (spec.aligned_rows(q0, q1) - jj).abs_().to(dtype)
         term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
-        tile = term if tile is None else tile + term
+        tile, fresh = (term if tile is None else tile + term), True
     if spec.score_mod is not None:
         bh = torch.arange(spec.n, device=dev).view(-1, 1, 1, 1)
         hh = torch.arange(spec.hq, device=dev).view(1, -1, 1, 1)
         with torch.no_grad():
             term = spec.score_mod._attnkit_bias(bh, hh, i, jj).to(dtype)
-        tile = term if tile is None else tile + term
-    return tile
+        tile, fresh = (term, False) if tile is None else (tile + term, True)
+    return tile, fresh
 
 
 def _mask_dtype(spec: AttentionSpec) -> torch.dtype:
