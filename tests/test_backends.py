@@ -182,3 +182,20 @@ def test_fused_alibi_masks_match_the_oracle(slopes, kw, small_tiles):
     for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)),
                     torch.autograd.grad(ref.sum(), (q, k, v))):
         assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("per_head", [True, False], ids=["per_head", "shared"])
+@pytest.mark.parametrize("m", [3, 40, 500], ids=["clamped", "partly", "wide"])
+def test_relative_bias_tile_equals_the_gather(per_head, m):
+    """The fused executor's Toeplitz tile (unfold, rows last-first) is the table gather,
+    including distances clamped at both ends."""
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(4, 2 * m - 1, generator=g) if per_head else torch.randn(2 * m - 1,
+                                                                                generator=g)
+    for q0, q1, k0, k1 in [(0, 1, 0, 1), (10, 30, 5, 70), (64, 128, 0, 128), (0, 50, 49, 50)]:
+        tile = fused._relative_bias_tile(table, m, q0, q1, k0, k1, torch.float64)
+        i = torch.arange(q0, q1).view(-1, 1)
+        j = torch.arange(k0, k1).view(1, -1)
+        idx = (j - i).clamp(-(m - 1), m - 1) + (m - 1)
+        want = table[:, idx] if per_head else table[idx].unsqueeze(0)
+        assert tile.is_contiguous() and torch.equal(tile[0], want.double())

@@ -436,12 +436,33 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
         term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
         tile, fresh = (term if tile is None else tile + term), True
     if spec.score_mod is not None:
-        bh = torch.arange(spec.n, device=dev).view(-1, 1, 1, 1)
-        hh = torch.arange(spec.hq, device=dev).view(1, -1, 1, 1)
-        with torch.no_grad():
-            term = spec.score_mod._attnkit_bias(bh, hh, i, jj).to(dtype)
-        tile, fresh = (term, False) if tile is None else (tile + term, True)
+        structure = getattr(spec.score_mod, "_attnkit_structure", None) or {}
+        if structure.get("kind") == "relative_bias" and keys is not None:
+            term = _relative_bias_tile(structure["table"], structure["max_distance"], q0, q1,
+                                       *keys, dtype)
+            tile, fresh = (term, True) if tile is None else (tile + term, True)
+        else:
+            bh = torch.arange(spec.n, device=dev).view(-1, 1, 1, 1)
+            hh = torch.arange(spec.hq, device=dev).view(1, -1, 1, 1)
+            with torch.no_grad():
+                term = spec.score_mod._attnkit_bias(bh, hh, i, jj).to(dtype)
+            tile, fresh = (term, False) if tile is None else (tile + term, True)
     return tile, fresh
+
+
+def _relative_bias_tile(table: Tensor, m: int, q0: int, q1: int, k0: int, k1: int,
+                        dtype: torch.dtype) -> Tensor:
+    """``table[h, clamp(j - i) + m - 1]`` for rows [q0, q1) and keys [k0, k1) without a 2-D
+    gather: the tile is Toeplitz, so look up the rows + keys - 1 distances it holds once and
+    read them as overlapping windows (``unfold``), flipped so that row r starts at
+    distance k0 - (q0 + r). Returns ``(1, H|1, rows, keys)``."""
+    rows, width = q1 - q0, k1 - k0
+    t = table.detach().to(dtype).reshape(-1, table.shape[-1])
+    dist = torch.arange(k0 - (q1 - 1), k1 - q0, device=t.device)  # j - i, smallest first
+    seq = t[:, dist.clamp_(-(m - 1), m - 1).add_(m - 1)]  # (H|1, rows + keys - 1)
+    last_first = torch.arange(rows - 1, -1, -1, device=t.device)
+    # window s holds distances lo + s ..; row r is window rows - 1 - r (one row-major copy)
+    return seq.unfold(1, width, 1).index_select(1, last_first).unsqueeze(0)
 
 
 def _mask_dtype(spec: AttentionSpec) -> torch.dtype:
