@@ -565,37 +565,44 @@ def _small_q_forward(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
     return out.reshape(n, hq, lq, -1), lse.reshape(n, hq, lq)
 
 
-def _native_rows(q: Tensor, k: Tensor, v: Tensor, scale: float
-                 ) -> Optional[Tuple[Tensor, Tensor]]:
-    """Unmasked attention of a few query rows in the native decode kernel (float32 out and
-    LSE), or None where it cannot run; the backward needs only out and LSE."""
+def _native_inputs(q: Tensor, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """Detached ``q, k, v`` when the native decode kernel can run them (its forward's out and
+    LSE are all the fused backward needs), else None."""
     if q.dtype == torch.float64:
         return None
     from .. import native
 
     q, k, v = q.detach(), k.detach(), v.detach()
-    if native.decode_reasons(q, k, v, grad_ok=True):
+    return None if native.decode_reasons(q, k, v, grad_ok=True) else (q, k, v)
+
+
+def _native_rows(q: Tensor, k: Tensor, v: Tensor, scale: float
+                 ) -> Optional[Tuple[Tensor, Tensor]]:
+    """Unmasked attention of a few query rows in the native decode kernel (float32 out and
+    LSE), or None where it cannot run."""
+    inputs = _native_inputs(q, k, v)
+    if inputs is None:
         return None
-    return native.dense_decode(q, k, v, scale)
+    from .. import native
+
+    return native.dense_decode(*inputs, scale)
 
 
 def _native_padded(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
     """Decoding rows over a right-padded cache (``seqlens_kv``, maybe causal/window/ALiBi) in
     one native kernel call, which takes each row's own length; None where it cannot run."""
-    if (spec.seqlens_kv is None or spec.seqlens_q is not None or spec.q.dtype == torch.float64
+    if (spec.seqlens_kv is None or spec.seqlens_q is not None
             or spec.lq * spec.groups > SMALL_Q or spec.mask is not None
             or spec.block_mask is not None or spec.mask_mod is not None
             or spec.segments_q is not None or spec.bias is not None
             or spec.score_mod is not None or spec.row_offset is not None):
         return None
+    inputs = _native_inputs(spec.q, spec.k, spec.v)
+    if inputs is None:
+        return None
     from .. import native
 
-    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
-    if native.decode_reasons(q, k, v, grad_ok=True):
-        return None
-    table = torch.arange(spec.n, dtype=torch.int64).view(-1, 1)
-    return native.paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table,
-                               spec.seqlens_kv, scale=spec.scale, causal=False,
+    return native.dense_decode(*inputs, spec.scale, seqlens=spec.seqlens_kv,
                                diagonal=spec.diagonal, window=(spec.left, spec.right),
                                alibi_slopes=spec.alibi_slopes)
 
@@ -604,7 +611,7 @@ def _native_packed(spec: AttentionSpec, pieces: List[Piece]) -> Optional[Tuple[T
     """Packed sequences with the same few query rows each, every row seeing its sequence's
     keys (decoding with continuous batching): all of them in one native kernel call, each
     sequence's keys read in place from the packed K/V. None where this does not apply."""
-    if not pieces or spec.n != 1 or spec.q.dtype == torch.float64:
+    if not pieces or spec.n != 1:
         return None
     rows = pieces[0].q1 - pieces[0].q0
     if rows * spec.groups > SMALL_Q or any(
@@ -613,11 +620,12 @@ def _native_packed(spec: AttentionSpec, pieces: List[Piece]) -> Optional[Tuple[T
     q0s = [p.q0 for p in pieces]
     if len(set(q0s)) != len(q0s):
         return None  # a row in several pieces: they merge, the piece loop does that
+    inputs = _native_inputs(spec.q, spec.k, spec.v)
+    if inputs is None:
+        return None
     from .. import native
 
-    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
-    if native.decode_reasons(q, k, v, grad_ok=True):
-        return None
+    q, k, v = inputs
     dev, cd = q.device, spec.compute_dtype
     idx = torch.cat([torch.arange(p.q0, p.q1, device=dev) for p in pieces])
     qb = q[0].index_select(1, idx).view(spec.hq, len(pieces), rows, -1).transpose(0, 1)

@@ -306,16 +306,20 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     return o, l_
 
 
-def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """Unmasked attention of ``q (N, Hq, Lq, D)`` over contiguous-cache ``k (N, Hkv, Lk, D)``
-    and ``v``: each batch row's keys are read as one page of ``Lk`` tokens (a strided view,
-    no copy). Returns float32 ``out`` and ``lse``; the caller checked :func:`decode_reasons`
-    on ``(q, k, v)``."""
+def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                 seqlens: Optional[Tensor] = None, **options: Any) -> Tuple[Tensor, Tensor]:
+    """Attention of ``q (N, Hq, Lq, D)`` over contiguous-cache ``k (N, Hkv, Lk, D)`` and
+    ``v``: each batch row's keys are read as one page of ``Lk`` tokens (a strided view, no
+    copy), the first ``seqlens[b]`` of them (all by default). ``options`` are
+    :func:`paged_decode`'s (default: no mask). Returns float32 ``out`` and ``lse``; the
+    caller checked :func:`decode_reasons` on ``(q, k, v)``."""
     n, _, lk, _ = k.shape
     table = torch.arange(n, dtype=torch.int64).view(n, 1)
-    lens = torch.full((n,), lk, dtype=torch.int64)
-    return paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table, lens, scale=scale,
-                        causal=False)
+    if seqlens is None:
+        seqlens = torch.full((n,), lk, dtype=torch.int64)
+    options.setdefault("causal", False)
+    return paged_decode(q, k.transpose(1, 2), v.transpose(1, 2), table, seqlens, scale=scale,
+                        **options)
 
 
 def philox_fill(c0: Tensor, c1: Tensor, c2: Tensor, seed: int, offset: int, out: Tensor,
@@ -371,7 +375,7 @@ def softcap_backward(ds: Tensor, raw: Tensor, cap: float) -> Optional[Tensor]:
     return out
 
 
-def describe() -> Any:
+def describe() -> str:
     """A one-line status for ``attnkit check`` and the benchmark notes."""
     if not available():
         return f"native decode kernel: unavailable ({unavailable_reason()})"
