@@ -357,6 +357,45 @@ def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
     return unique
 
 
+def _causal_bias_class() -> Optional[type]:
+    """torch's ``CausalBias`` (``torch.nn.attention.bias``, torch >= 2.2), or None."""
+    try:
+        from torch.nn.attention.bias import CausalBias
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return CausalBias
+
+
+def _check_plain_tensor(name: str, x: Any) -> None:
+    """Refuse tensor subclasses attnkit cannot interpret (their storage may not hold what
+    they mean). Parameters are plain tensors; torch's own tracing subclasses are allowed."""
+    cls = type(x)
+    if (not isinstance(x, Tensor) or cls is Tensor or isinstance(x, torch.nn.Parameter)
+            or cls.__module__.startswith("torch._")):
+        return
+    raise TypeError(f"{name} is a {cls.__name__}, a torch.Tensor subclass attnkit cannot "
+                    f"interpret; pass a plain tensor ({name}.as_subclass(torch.Tensor) if its "
+                    f"storage holds the values you mean)")
+
+
+def _absorb_causal_bias(name: str, x: Any, causal: Any, diagonal: str, lq: int, lk: int):
+    """torch's ``CausalBias`` (``causal_upper_left`` / ``causal_lower_right``) as attnkit's
+    ``causal=True`` with the matching diagonal: returns ``(causal, diagonal)``."""
+    variant = x.variant.name  # UPPER_LEFT or LOWER_RIGHT
+    if causal is True:
+        raise ValueError(f"{name} is a torch CausalBias, which is already causal; it cannot be "
+                         f"combined with causal=True (torch raises the same): drop one of them")
+    if (x.seq_len_q, x.seq_len_kv) != (lq, lk):
+        raise ValueError(f"{name} is a CausalBias for (seq_len_q, seq_len_kv) = "
+                         f"{(x.seq_len_q, x.seq_len_kv)} but the inputs have {(lq, lk)}; build "
+                         f"it with the inputs' lengths")
+    want = "top_left" if variant == "UPPER_LEFT" else "bottom_right"
+    if diagonal != "top_left" and diagonal != want:
+        raise ValueError(f"{name} is a {variant.lower()} CausalBias but diagonal={diagonal!r}; "
+                         f"leave diagonal out")
+    return True, want
+
+
 def _is_block_mask(x: Any) -> bool:
     return hasattr(x, "kv_num_blocks") and hasattr(x, "BLOCK_SIZE") and hasattr(x, "mask_mod")
 
@@ -384,6 +423,16 @@ def build_spec(
     dropout_mask: Optional[Tensor] = None,
 ) -> AttentionSpec:
     """Validate the arguments of one call and normalise them into an :class:`AttentionSpec`."""
+    causal_bias = _causal_bias_class()
+    for name in ("mask", "bias"):
+        x = mask if name == "mask" else bias
+        if causal_bias is not None and isinstance(x, causal_bias):
+            causal, diagonal = _absorb_causal_bias(name, x, causal, diagonal, q.shape[-2],
+                                                   k.shape[-2])
+            mask, bias = (None, bias) if name == "mask" else (mask, None)
+    for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
+                    ("sinks", sinks), ("dropout_mask", dropout_mask)):
+        _check_plain_tensor(name, x)
     qc, kc, vc, batch, squeeze = _canonical_qkv(q, k, v)
     n, hq, lq, d = qc.shape
     lk = kc.shape[2]

@@ -1,0 +1,100 @@
+"""Inputs that once gave a plausible wrong answer (or dropped a gradient) without a word.
+
+Each test compares with the float64 oracle, with torch where torch expresses the case, or
+checks for the one clear error that replaces the wrong answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rand
+
+import attnkit
+from attnkit.reference import attention_reference
+
+bias_module = pytest.importorskip("torch.nn.attention.bias")
+
+
+# ---- torch's CausalBias ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lq,lk", [(4, 6), (6, 4), (128, 128), (33, 70)])
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_as_attn_mask_matches_torch(lq, lk, variant):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (lq, lk, lk))
+    make = getattr(bias_module, f"causal_{variant}")
+    with pytest.warns(UserWarning) if (variant == "lower_right" and lq > lk) else _nullwarn():
+        cb = make(lq, lk)
+    out = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=cb)
+    assert type(out) is torch.Tensor
+    diagonal = "top_left" if variant == "upper_left" else "bottom_right"
+    ref = attention_reference(q, k, v, causal=True, diagonal=diagonal)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    if not (variant == "lower_right" and lq > lk):  # torch gives NaN rows there, attnkit 0
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=cb),
+                                   atol=1e-5, rtol=1e-5)
+    # the same object through attention(bias=...) and attention(mask=...)
+    for key in ("bias", "mask"):
+        torch.testing.assert_close(attnkit.attention(q, k, v, **{key: cb}).double(), ref,
+                                   atol=1e-5, rtol=1e-5)
+
+
+class _nullwarn:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_causal_bias_gradients_match_reference():
+    q, k, v = (rand(1, 2, n, 8, requires_grad=True) for n in (5, 9, 9))
+    cb = bias_module.causal_lower_right(5, 9)
+    out = attnkit.scaled_dot_product_attention(q, k, v, attn_mask=cb)
+    ref = attention_reference(q, k, v, causal=True, diagonal="bottom_right")
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    rgrads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_causal_bias_with_is_causal_raises_like_torch():
+    q = k = v = torch.randn(1, 2, 4, 8)
+    cb = bias_module.causal_upper_left(4, 4)
+    with pytest.raises(ValueError, match="causal"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=cb, is_causal=True)
+    with pytest.raises(ValueError, match="CausalBias.*causal=True"):
+        attnkit.scaled_dot_product_attention(q, k, v, attn_mask=cb, is_causal=True)
+    with pytest.raises(ValueError, match="CausalBias.*causal=True"):
+        attnkit.attention(q, k, v, bias=cb, causal=True)
+
+
+def test_causal_bias_of_other_lengths_is_refused():
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"CausalBias.*\(4, 6\).*\(4, 4\)"):
+        attnkit.scaled_dot_product_attention(q, k, v, attn_mask=bias_module.causal_upper_left(4, 6))
+
+
+class _Odd(torch.Tensor):
+    """A tensor subclass attnkit knows nothing about."""
+
+
+@pytest.mark.parametrize("key", ["bias", "mask"])
+def test_unknown_tensor_subclass_is_refused(key):
+    q = k = v = torch.randn(1, 2, 4, 8)
+    x = torch.zeros(4, 4) if key == "bias" else torch.ones(4, 4, dtype=torch.bool)
+    with pytest.raises(TypeError, match=rf"{key}.*_Odd.*subclass"):
+        attnkit.attention(q, k, v, **{key: x.as_subclass(_Odd)})
+
+
+def test_parameter_bias_is_accepted():
+    q = k = v = rand(1, 2, 4, 8)
+    p = torch.nn.Parameter(rand(4, 4))
+    out = attnkit.attention(q, k, v, bias=p)
+    out.sum().backward()
+    ref = attention_reference(q, k, v, bias=p.detach())
+    torch.testing.assert_close(out, ref)
+    assert p.grad is not None
