@@ -6,7 +6,7 @@ it is tested against. Masks and score mods live in :mod:`attnkit.masks` and
 :mod:`attnkit.score_mods`.
 """
 
-from . import distributed, masks, score_mods
+from . import distributed, masks, numpy, score_mods
 from .api import (
     AuxOutput,
     AuxRequest,
@@ -19,7 +19,13 @@ from .api import (
 from .block_mask import BlockMask, create_block_mask
 from .flex import flex_attention
 from .merge import merge_state, merge_states
-from .paged import PagedKVCache, gather_kv, paged_attention, paged_attention_blocks
+from .paged import (
+    OutOfPagesError,
+    PagedKVCache,
+    gather_kv,
+    paged_attention,
+    paged_attention_blocks,
+)
 from .reference import attention_reference
 from .varlen import varlen_attention
 
@@ -30,6 +36,7 @@ __all__ = [
     "AuxRequest",
     "BlockMask",
     "Grads",
+    "OutOfPagesError",
     "PagedKVCache",
     "attention_backward",
     "attention_forward",
@@ -47,5 +54,6 @@ __all__ = [
     "masks",
     "merge_state",
     "merge_states",
+    "numpy",
     "score_mods",
 ]
