@@ -14,9 +14,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor,
                    scale: Optional[float] = None, enable_gqa: bool = False,
                    return_lse: bool = False, kernel_options: Optional[dict] = None, *,
                    return_aux: Any = None) -> Any:
-    """FlexAttention with torch's semantics (``004_...``): ``score_mod(score, b, h, q_idx,
-    kv_idx)`` on the scaled scores, ``block_mask`` from :func:`attnkit.create_block_mask` (or
-    torch's own BlockMask), GQA only with ``enable_gqa=True``.
+    """FlexAttention with torch's semantics: ``score_mod(score, b, h, q_idx, kv_idx)`` on the
+    scaled scores, ``block_mask`` from :func:`attnkit.create_block_mask` (or torch's own
+    BlockMask), GQA only with ``enable_gqa=True``.
 
     Shapes: query ``(B, Hq, L, E)``, key ``(B, Hkv, S, E)``, value ``(B, Hkv, S, Ev)`` -> out
     ``(B, Hq, L, Ev)``; lse and max_scores ``(B, Hq, L)``. ``return_aux=AuxRequest(lse=True,

@@ -1,4 +1,4 @@
-"""Peak resident-memory growth of one attention forward and backward (issue 2's memory check).
+"""Peak resident-memory growth of one attention forward and backward (it stays linear in L).
 
     python examples/peak_memory.py [L=32768] [causal|full] [auto|fused|tiled]
 

@@ -11,8 +11,8 @@ Usage (``python -m attnkit.bench`` takes the same options)::
 
 Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about a minute on 2 cores, float32, no
 compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
-``standard`` (the suite the performance goals are judged on; float32 and bfloat16, every
-peer), ``long`` (``standard`` plus 32k-64k contexts).
+``standard`` (the suite the README's performance figures come from; float32 and bfloat16,
+every peer), ``long`` (``standard`` plus 32k-64k contexts).
 
 Per case, pass, dtype and peer: median time over interleaved rounds, the peer/attnkit ratio
 taken round by round, effective GFLOP/s over visible pairs and as a % of this machine's matmul
@@ -21,7 +21,7 @@ GFLOP/s, peak memory of the call (fresh child process; cases marked for it, or a
 schema is in :mod:`attnkit.bench.report`.
 
 Layout: ``cases`` (catalog as data), ``peers`` (one adapter per implementation),
-``workloads`` (inputs, dense helpers), ``flops``, ``timing``, ``accuracy``, ``memory``,
+``workloads`` (inputs, dense spell-outs), ``flops``, ``timing``, ``accuracy``, ``memory``,
 ``report`` (table, JSON, plot), ``runner``.
 """
 

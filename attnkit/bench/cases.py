@@ -20,7 +20,7 @@ Shape legend (the same for every peer)::
 Suites:
 
 * ``quick``    -- small shapes (L <= 1024), every workload once; about a minute on 2 cores.
-* ``standard`` -- the suite the performance goals are judged on (issue 5): B=1, H=8, d=64,
+* ``standard`` -- the suite the README's performance figures come from: B=1, H=8, d=64,
   L=4096..8192, a small call and a 32k-token memory check.
 * ``long``     -- ``standard`` plus long contexts (32k..64k tokens).
 """
@@ -276,7 +276,7 @@ CATALOG: Tuple[Case, ...] = (
          note="small call: fixed overheads"),
     Case("long_8k", heads_q=1, len_q=8192, causal=True, suites=_Q, repeat=2, memory=True,
          note="memory check, quick size"),
-    # ---- standard (issue 5's goals): B=1, H=8, d=64
+    # ---- standard (the README's figures): B=1, H=8, d=64
     Case("dense_4k", len_q=4096, suites=_S),
     Case("causal_4k", len_q=4096, causal=True, suites=_S),
     Case("causal_br_1k_8k", len_q=1024, len_kv=8192, causal=True, diagonal="bottom_right",
