@@ -162,18 +162,40 @@ def _sliced_mask_mod_error(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) 
         "longer matches the positions; rebuild it with create_block_mask for the new shape.")
 
 
-def _remap_mask_mod(mask_mod: MaskMod, b_map: Tensor, h_map: Tensor) -> MaskMod:
-    """mask_mod seen through a batch/head selection: new index i means old index map[i]."""
+class _RemappedMaskMod:
+    """mask_mod seen through a batch/head selection: new index i means old index map[i].
 
-    def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return mask_mod(b_map.to(b.device)[b], h_map.to(h.device)[h], q_idx, kv_idx)
+    A class rather than a closure so that a sliced BlockMask pickles whenever the original
+    mask_mod does."""
 
-    mask.__name__ = mask.__qualname__ = getattr(mask_mod, "__name__", "mask_mod")
-    return mask
+    def __init__(self, mask_mod: MaskMod, b_map: Tensor, h_map: Tensor) -> None:
+        self.mask_mod = mask_mod
+        self.b_map = b_map
+        self.h_map = h_map
+        self.__name__ = getattr(mask_mod, "__name__", "mask_mod")
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return self.mask_mod(self.b_map.to(b.device)[b], self.h_map.to(h.device)[h], q_idx,
+                             kv_idx)
+
+    def __repr__(self) -> str:
+        return (f"{self.__name__} (batch {self.b_map.tolist()}, heads {self.h_map.tolist()} "
+                f"of the original)")
 
 
 class BlockMask:
     """Block-sparse description of a mask (torch FlexAttention's format; see module doc).
+
+    With torch's own FlexAttention: torch's ``flex_attention`` (eager or under
+    ``torch.compile``) accepts this BlockMask as it is and gives the same result as with
+    :meth:`to_torch`; it reads the fields below and :meth:`as_tuple`, which returns the tuple
+    of the equivalent torch BlockMask in the running torch's layout. Torch APIs that need a
+    real ``torch.nn.attention.flex_attention.BlockMask`` (``isinstance`` checks, its other
+    methods) take ``block_mask.to_torch()``, which shares the tensors;
+    :meth:`from_torch` goes the other way.
+
+    Pickling and ``torch.save`` (load with ``weights_only=False``) keep every field when the
+    mask_mod pickles (a module-level function); so do masks selected with ``bm[...]``.
 
     Attributes:
         seq_lengths: ``(Q_LEN, KV_LEN)``.
@@ -430,16 +452,29 @@ class BlockMask:
     def to_torch(self) -> Any:
         """The same mask as a ``torch.nn.attention.flex_attention.BlockMask`` (shares tensors).
 
-        For passing to torch's ``flex_attention``. Needs a torch with FlexAttention (2.5+).
+        For torch APIs that need torch's own class (torch's ``flex_attention`` also takes this
+        BlockMask directly). Needs a torch with FlexAttention (2.5+).
         """
-        from torch.nn.attention import flex_attention as flex
-
+        try:
+            from torch.nn.attention import flex_attention as flex
+        except ImportError as exc:
+            raise NotImplementedError(
+                f"BlockMask.to_torch needs torch's FlexAttention (torch >= 2.5); this is torch "
+                f"{torch.__version__}. Upgrade torch, or use attnkit.flex_attention.") from exc
         fields = {a: getattr(self, a) for a in self._TENSOR_ATTRS}
+        mask_mod = self.mask_mod
+        if mask_mod is _sliced_mask_mod_error:  # torch's own stub, which torch recognises
+            mask_mod = getattr(flex, "_sliced_mask_mod_error", mask_mod)
         try:
             return flex.BlockMask(seq_lengths=self.seq_lengths, BLOCK_SIZE=self.BLOCK_SIZE,
-                                  mask_mod=self.mask_mod, **fields)
+                                  mask_mod=mask_mod, **fields)
         except TypeError:  # torch < 2.6: no seq_lengths
-            return flex.BlockMask(BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod, **fields)
+            return flex.BlockMask(BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod, **fields)
+
+    def as_tuple(self, flatten: bool = True) -> Tuple[Any, ...]:
+        """The fields as torch's ``BlockMask.as_tuple`` lays them out for this torch version
+        (what torch's ``flex_attention`` reads): ``self.to_torch().as_tuple(flatten)``."""
+        return self.to_torch().as_tuple(flatten)
 
     @classmethod
     def from_torch(cls, block_mask: Any) -> BlockMask:
@@ -448,8 +483,15 @@ class BlockMask:
         nq, nk = block_mask.kv_indices.shape[-2:]
         bq, bk = block_mask.BLOCK_SIZE
         seq_lengths = getattr(block_mask, "seq_lengths", (nq * bq, nk * bk))
-        return cls(seq_lengths=seq_lengths, BLOCK_SIZE=(bq, bk),
-                   mask_mod=block_mask.mask_mod, **fields)
+        mask_mod = block_mask.mask_mod
+        try:
+            from torch.nn.attention import flex_attention as flex
+
+            if mask_mod is getattr(flex, "_sliced_mask_mod_error", None):
+                mask_mod = _sliced_mask_mod_error
+        except ImportError:
+            pass
+        return cls(seq_lengths=seq_lengths, BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, **fields)
 
     def __getitem__(self, index: Any) -> BlockMask:
         """Select batch / head / query-block entries (torch semantics: dims are kept).
@@ -486,7 +528,7 @@ class BlockMask:
             device = self.kv_num_blocks.device
             b_map = torch.arange(sizes[0], device=device)[idx[0]]
             h_map = torch.arange(sizes[1], device=device)[idx[1]]
-            mask_mod = _remap_mask_mod(self.mask_mod, b_map, h_map)
+            mask_mod = _RemappedMaskMod(self.mask_mod, b_map, h_map)
         else:
             mask_mod = _sliced_mask_mod_error
         return BlockMask.from_kv_blocks(

@@ -384,3 +384,94 @@ def test_errors(call, exc, words):
         call()
     for w in words:
         assert w in str(info.value)
+
+
+# --------------------------------------------------------------------------- torch's flex_attention
+# and pickling
+
+
+def _torch_flex(q, k, v, block_mask):
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: BM.create_block_mask(M.and_masks(M.causal(), M.document_from_lengths([50, 43])),
+                                 1, 2, 93, 93, BLOCK_SIZE=32),
+    lambda: BM.create_block_mask(head_window, 2, 2, 93, 130, BLOCK_SIZE=(16, 32)),
+    lambda: BM.create_block_mask(batch_doc, 3, 2, 93, 93, BLOCK_SIZE=32)[1],
+    lambda: BM.create_block_mask(batch_doc, 3, 2, 93, 93, BLOCK_SIZE=32,
+                                 separate_full_blocks=False)[0:2, 1:2],
+], ids=["doc_causal", "head_window_rect", "sliced_batch", "sliced_no_full"])
+def test_torch_flex_attention_takes_attnkit_block_mask(make):
+    ours = make()
+    b, h, lq, lk = ours.shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, lq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, h, lk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out = _torch_flex(q, k, v, ours)  # attnkit's BlockMask, as it is
+    torch.testing.assert_close(out, _torch_flex(q, k, v, ours.to_torch()), rtol=0, atol=0)
+    assert len(ours.as_tuple()) == len(ours.to_torch().as_tuple())
+    # and the meaning is the mask_mod's, against a dense computation
+    bi = torch.arange(b).view(b, 1, 1, 1)
+    hi = torch.arange(h).view(1, h, 1, 1)
+    vis = ours.mask_mod(bi, hi, torch.arange(lq).view(1, 1, lq, 1),
+                        torch.arange(lk).view(1, 1, 1, lk)).expand(b, h, lq, lk)
+    s = ((q @ k.transpose(-1, -2)) / 8 ** 0.5).masked_fill(~vis, float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
+
+
+def _assert_same_block_mask(a, b):
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert a.seq_lengths == b.seq_lengths and a.BLOCK_SIZE == b.BLOCK_SIZE
+    assert torch.equal(a.to_dense(), b.to_dense())
+    assert torch.equal(a.block_kinds(), b.block_kinds())
+
+
+def _pickle_round_trip(bm):
+    import pickle
+
+    return pickle.loads(pickle.dumps(bm))
+
+
+def _torch_save_round_trip(bm):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(bm, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("round_trip", [_pickle_round_trip, _torch_save_round_trip],
+                         ids=["pickle", "torch.save"])
+@pytest.mark.parametrize("select", [None, 0, (slice(1, 3), 1), (2, 0, slice(1, 3))],
+                         ids=["whole", "bm[0]", "bm[1:3, 1]", "bm[2, 0, 1:3]"])
+def test_block_mask_pickles_and_torch_saves(round_trip, select):
+    whole = BM.create_block_mask(batch_doc, 3, 2, 300, 517, BLOCK_SIZE=64)
+    bm = whole if select is None else whole[select]
+    back = round_trip(bm)
+    assert back is not bm and isinstance(back, BlockMask)
+    _assert_same_block_mask(back, bm)
+    assert back.mask_mod.__name__ == bm.mask_mod.__name__
+    if select is None or len(select if isinstance(select, tuple) else (select,)) < 3:
+        assert back.mask_mod.__name__ == "batch_doc"
+        # the loaded mask_mod still means the selected batch/head entries
+        nb, nh = bm.shape[:2]
+        args = (torch.arange(nb).view(nb, 1, 1, 1), torch.arange(nh).view(1, nh, 1, 1),
+                torch.arange(300).view(1, 1, 300, 1), torch.arange(517).view(1, 1, 1, 517))
+        assert torch.equal(back.mask_mod(*args), bm.mask_mod(*args))
+        _assert_same_block_mask(BM.create_block_mask(back.mask_mod, nb, nh, 300, 517,
+                                                     BLOCK_SIZE=64), bm)
+    else:  # query blocks selected: the mask_mod still refuses to be called
+        with pytest.raises(RuntimeError, match="query-block"):
+            back.mask_mod(*[torch.zeros(1, dtype=torch.long)] * 4)
