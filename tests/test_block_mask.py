@@ -475,3 +475,15 @@ def test_block_mask_pickles_and_torch_saves(round_trip, select):
     else:  # query blocks selected: the mask_mod still refuses to be called
         with pytest.raises(RuntimeError, match="query-block"):
             back.mask_mod(*[torch.zeros(1, dtype=torch.long)] * 4)
+
+
+def test_to_torch_without_flex_attention_says_what_to_do(monkeypatch):
+    import sys
+
+    import torch.nn.attention
+
+    bm = BM.create_block_mask(M.causal(), 1, 1, 64, 64)
+    monkeypatch.delattr(torch.nn.attention, "flex_attention")
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)
+    with pytest.raises(NotImplementedError, match=r"torch >= 2\.5.*attnkit\.flex_attention"):
+        bm.to_torch()
