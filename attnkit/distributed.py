@@ -41,6 +41,7 @@ from torch import Tensor
 
 from .api import attention_backward, attention_forward
 from .merge import merge_state
+from .mods import remap
 from .score_mods import alibi, compose
 from .spec import _check_window, find_captured_tensors
 
@@ -232,25 +233,11 @@ class _Config:
 
 def _at_positions(fn: Callable[..., Tensor], q_pos: int, k_pos: int, kind: str):
     """``fn`` called with global positions: local index + the block's start position."""
-    name = f"{getattr(fn, '__name__', type(fn).__name__)}_at_q{q_pos}_k{k_pos}"
-    if kind == "mask":
-        def shifted_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return fn(b, h, q_idx + q_pos, kv_idx + k_pos)
 
-        shifted_mask.__name__ = shifted_mask.__qualname__ = name
-        return shifted_mask
+    def shift(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
+        return b, h, q_idx + q_pos, kv_idx + k_pos
 
-    def shifted(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return fn(score, b, h, q_idx + q_pos, kv_idx + k_pos)
-
-    shifted.__name__ = shifted.__qualname__ = name
-    bias = getattr(fn, "_attnkit_bias", None)
-    if callable(bias):  # stay additive, so the fused executor can run it
-        def shifted_bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            return bias(b, h, q_idx + q_pos, kv_idx + k_pos)
-
-        shifted._attnkit_bias = shifted_bias  # type: ignore[attr-defined]
-    return shifted
+    return remap(fn, shift, score=kind == "score", suffix=f"at_q{q_pos}_k{k_pos}")
 
 
 def _block_options(cfg: _Config, blk: _Block) -> dict:

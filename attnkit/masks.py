@@ -39,10 +39,11 @@ Pictures below use ``Lq`` query rows (top to bottom) and ``Lk`` key columns (lef
 
 Structure hints
 ---------------
-Every builtin mask carries ``mod._attnkit_structure``, a plain dict that lets a planner see the
-pattern without evaluating the mask. Read it through :func:`structure_of`, which returns it only
-for genuine builtins (``functools.wraps`` copies ``__dict__`` onto wrappers, so the attribute
-alone is not proof). Formats (``None`` = unbounded where noted):
+Every builtin mask is an :class:`attnkit.mods.Builtin` that carries a structure, a plain dict
+that lets a planner see the pattern without evaluating the mask. Read it through
+:func:`structure_of`, which returns it only for genuine builtins (a ``functools.wraps`` wrapper
+is a plain function, evaluated as written). Builtins pickle and ``torch.save`` by their factory
+and arguments. Formats (``None`` = unbounded where noted):
 
 * ``{"kind": "full"}`` -- :func:`noop_mask`.
 * ``{"kind": "causal", "diagonal": "top_left"|"bottom_right", "offset": o, "q_len": Lq|None,
@@ -66,12 +67,12 @@ alone is not proof). Formats (``None`` = unbounded where noted):
 from __future__ import annotations
 
 import numbers
-import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from .mods import Builtin, ModInfo, info_of
 from .spec import tensor_argument
 
 __all__ = [
@@ -95,9 +96,6 @@ MaskMod = Callable[..., Tensor]
 """``mask_mod(b, h, q_idx, kv_idx) -> bool Tensor`` (True = the pair is visible)."""
 
 Diagonal = str  # "top_left" | "bottom_right"
-
-# Masks built by this module; only these are trusted to carry a correct structure hint.
-_BUILTINS: weakref.WeakSet = weakref.WeakSet()
 
 
 # --------------------------------------------------------------------------- validation
@@ -155,26 +153,24 @@ def _as_index_tensor(name: str, value: Any, dims: tuple[int, ...]) -> Tensor:
 # --------------------------------------------------------------------------- helpers
 
 
-def _register(mod: MaskMod, name: str, structure: dict) -> MaskMod:
-    mod.__name__ = name
-    mod.__qualname__ = name
-    mod._attnkit_structure = structure  # type: ignore[attr-defined]
-    _BUILTINS.add(mod)
-    return mod
+def _register(mod: Callable[..., Tensor], name: str, structure: dict,
+              factory: Callable[..., Any], *args: Any) -> MaskMod:
+    """A builtin mask: ``mod`` named ``name``, described by ``structure``, pickled as
+    ``factory(*args)``."""
+    return Builtin(mod, name, ModInfo(structure=structure), factory, args,
+                   module=__name__)
 
 
 def structure_of(mod: Callable[..., Any]) -> Optional[dict]:
-    """Return the ``_attnkit_structure`` dict of a builtin mask_mod, or None.
+    """Return the structure dict of a builtin mask_mod, or None.
 
-    None for any callable not made by this module (including wrappers that copied the
-    attribute with ``functools.wraps``). See the module docstring for the formats.
+    None for any callable not made by this module (including wrappers made with
+    ``functools.wraps``). See the module docstring for the formats.
     """
-    try:
-        if mod in _BUILTINS:
-            return mod._attnkit_structure  # type: ignore[attr-defined]
-    except TypeError:  # not weak-referenceable or not hashable
+    info = info_of(mod)
+    if info is None or "kind" not in info.structure:
         return None
-    return None
+    return info.structure  # type: ignore[return-value]
 
 
 def _to_device(t: Tensor, like: Tensor) -> Tensor:
@@ -204,13 +200,13 @@ def _band(q_idx: Tensor, kv_idx: Tensor, lo: Optional[int], hi: Optional[int]) -
 # --------------------------------------------------------------------------- builtins
 
 
-def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+def _noop(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     """Mask that hides nothing: all True, shaped like ``q_idx`` and ``kv_idx`` broadcast."""
     return _all_true(q_idx, kv_idx)
 
 
-noop_mask._attnkit_structure = {"kind": "full"}  # type: ignore[attr-defined]
-_BUILTINS.add(noop_mask)
+noop_mask: MaskMod = Builtin(_noop, "noop_mask", ModInfo(structure={"kind": "full"}),
+                             module=__name__)
 
 
 def causal(
@@ -238,7 +234,7 @@ def causal(
     name = "causal" if diagonal == "top_left" else f"causal_bottom_right_{q_len}_{kv_len}"
     structure = {"kind": "causal", "diagonal": diagonal, "offset": offset, "q_len": q_len,
                  "kv_len": kv_len, "band": (None, offset)}
-    return _register(mask, name, structure)
+    return _register(mask, name, structure, causal, diagonal, q_len, kv_len)
 
 
 def sliding_window(
@@ -276,7 +272,8 @@ def sliding_window(
         name += f"_bottom_right_{q_len}_{kv_len}"
     structure = {"kind": "window", "left": left, "right": right, "diagonal": diagonal,
                  "offset": offset, "q_len": q_len, "kv_len": kv_len, "band": (lo, hi)}
-    return _register(mask, name, structure)
+    return _register(mask, name, structure, sliding_window, left, right, diagonal, q_len,
+                     kv_len)
 
 
 def prefix_lm(prefix_len: int) -> MaskMod:
@@ -295,7 +292,7 @@ def prefix_lm(prefix_len: int) -> MaskMod:
         return (kv_idx <= q_idx) | (kv_idx < prefix_len)
 
     return _register(mask, f"prefix_lm_{prefix_len}",
-                     {"kind": "prefix_lm", "prefix_len": prefix_len})
+                     {"kind": "prefix_lm", "prefix_len": prefix_len}, prefix_lm, prefix_len)
 
 
 def document(doc_ids_q: Tensor, doc_ids_kv: Optional[Tensor] = None) -> MaskMod:
@@ -335,7 +332,8 @@ def document(doc_ids_q: Tensor, doc_ids_kv: Optional[Tensor] = None) -> MaskMod:
     name = f"document_{lq}" if doc_ids_kv is None else f"document_{lq}_{lk}"
     if batched:
         name += f"_B{ids_q.shape[0]}"
-    return _register(mask, name, {"kind": "document", "doc_ids_q": ids_q, "doc_ids_kv": ids_kv})
+    return _register(mask, name, {"kind": "document", "doc_ids_q": ids_q, "doc_ids_kv": ids_kv},
+                     document, ids_q, None if doc_ids_kv is None else ids_kv)
 
 
 def document_from_lengths(lengths: Union[Sequence[int], Tensor]) -> MaskMod:
@@ -350,11 +348,9 @@ def document_from_lengths(lengths: Union[Sequence[int], Tensor]) -> MaskMod:
             "negative entries.")
     ids = torch.repeat_interleave(
         torch.arange(lengths_t.numel(), dtype=torch.int64, device=lengths_t.device), lengths_t)
-    mod = document(ids)
+    structure = dict(structure_of(document(ids)), lengths=lengths_t)
     name = f"document_from_lengths_{lengths_t.numel()}docs_{ids.numel()}"
-    mod.__name__ = mod.__qualname__ = name
-    mod._attnkit_structure["lengths"] = lengths_t  # type: ignore[attr-defined]
-    return mod
+    return _register(document(ids)._fn, name, structure, document_from_lengths, lengths_t)
 
 
 def padding(seqlens_q: Union[Sequence[int], Tensor],
@@ -378,7 +374,7 @@ def padding(seqlens_q: Union[Sequence[int], Tensor],
         return (q_idx < _to_device(sq, b)[b]) & (kv_idx < _to_device(sk, b)[b])
 
     return _register(mask, f"padding_B{sq.numel()}",
-                     {"kind": "padding", "seqlens_q": sq, "seqlens_kv": sk})
+                     {"kind": "padding", "seqlens_q": sq, "seqlens_kv": sk}, padding, sq, sk)
 
 
 def chunked(chunk_size: int) -> MaskMod:
@@ -397,7 +393,7 @@ def chunked(chunk_size: int) -> MaskMod:
         return (q_idx // chunk_size == kv_idx // chunk_size) & (kv_idx <= q_idx)
 
     return _register(mask, f"chunked_{chunk_size}",
-                     {"kind": "chunked", "chunk_size": chunk_size})
+                     {"kind": "chunked", "chunk_size": chunk_size}, chunked, chunk_size)
 
 
 def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
@@ -422,7 +418,8 @@ def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
         return (d >= 0) & (d < reach) & (d % dilation == 0)
 
     return _register(mask, f"dilated_sliding_window_{window}_{dilation}",
-                     {"kind": "dilated_window", "window": window, "dilation": dilation})
+                     {"kind": "dilated_window", "window": window, "dilation": dilation},
+                     dilated_sliding_window, window, dilation)
 
 
 # --------------------------------------------------------------------------- algebra
@@ -441,7 +438,8 @@ def and_masks(*mods: MaskMod) -> MaskMod:
         return out
 
     name = "and(" + ",".join(getattr(m, "__name__", type(m).__name__) for m in mods) + ")"
-    return _register(mask, name, {"kind": "and", "parts": [structure_of(m) for m in mods]})
+    return _register(mask, name, {"kind": "and", "parts": [structure_of(m) for m in mods]},
+                     and_masks, *mods)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
@@ -457,7 +455,8 @@ def or_masks(*mods: MaskMod) -> MaskMod:
         return out
 
     name = "or(" + ",".join(getattr(m, "__name__", type(m).__name__) for m in mods) + ")"
-    return _register(mask, name, {"kind": "or", "parts": [structure_of(m) for m in mods]})
+    return _register(mask, name, {"kind": "or", "parts": [structure_of(m) for m in mods]},
+                     or_masks, *mods)
 
 
 def not_mask(mod: MaskMod) -> MaskMod:
@@ -468,4 +467,4 @@ def not_mask(mod: MaskMod) -> MaskMod:
         return ~mod(b, h, q_idx, kv_idx)
 
     name = f"not({getattr(mod, '__name__', type(mod).__name__)})"
-    return _register(mask, name, {"kind": "not", "part": structure_of(mod)})
+    return _register(mask, name, {"kind": "not", "part": structure_of(mod)}, not_mask, mod)

@@ -5,17 +5,21 @@ A score_mod has the FlexAttention signature
 broadcastable int64 index tensors (``b (nb,1,1,1)``, ``h (1,nh,1,1)``, ``q_idx (1,1,bq,1)``,
 ``kv_idx (1,1,1,bk)``; positions are absolute). The result keeps ``score``'s dtype.
 
-Every factory names its closure (``alibi_8``, ``softcap_30.0`` ...) and attaches data that
-lets an executor avoid calling it element by element:
+Every factory returns a named builtin (``alibi_8``, ``softcap_30.0`` ...; an
+:class:`attnkit.mods.Builtin`, picklable) whose description, read with :func:`describe`, lets an
+executor avoid calling it element by element:
 
-* ``mod._attnkit_bias = fn(b, h, q_idx, kv_idx) -> Tensor`` on additive mods, with
+* ``describe(mod).bias = fn(b, h, q_idx, kv_idx) -> Tensor`` on additive mods, with
   ``mod(score, b, h, q, k) == score + fn(b, h, q, k).to(score.dtype)``; an executor can build
   additive bias tiles from it (and its gradient, for learnable tables).
-* ``mod._attnkit_softcap = cap`` on :func:`softcap`.
-* ``mod._attnkit_structure = {"kind": ..., params}``: ``{"kind": "alibi", "slopes": Tensor (H,),
-  "offset": int}``, ``{"kind": "softcap", "cap": float}``, ``{"kind": "relative_bias",
+* ``describe(mod).cap = cap`` on :func:`softcap`.
+* ``describe(mod).structure = {"kind": ..., params}``: ``{"kind": "alibi", "slopes": Tensor
+  (H,), "offset": int}``, ``{"kind": "softcap", "cap": float}``, ``{"kind": "relative_bias",
   "table": Tensor, "max_distance": M}``, ``{"kind": "head_bias", "values": Tensor (H,)}``,
   ``{"kind": "compose", "parts": [dict|None, ...]}``.
+
+The description is trusted only on genuine builtins: a ``functools.wraps`` wrapper around one
+is a plain function, and :func:`describe` returns None for it.
 
 FlashAttention's ALiBi on a causal mask, ``Lq = 3``, ``Lk = 3``, slope ``s``; the bias added
 to the score (``.`` = masked)::
@@ -34,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .mods import Builtin, ModInfo, info_of
 from .spec import tensor_argument
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "alibi",
     "alibi_slopes",
     "compose",
+    "describe",
     "head_bias",
     "relative_bias",
     "softcap",
@@ -60,16 +66,22 @@ def _float_tensor(name: str, value: Any, dims: tuple[int, ...]) -> Tensor:
     return tensor_argument(name, value, dims, "float")
 
 
-def _additive(bias: BiasFn, name: str, structure: dict) -> ScoreMod:
-    """Build ``score + bias(...)``, named, carrying ``_attnkit_bias``."""
+def describe(mod: Any) -> Optional[ModInfo]:
+    """The description of a builtin score mod (its structure, additive bias, softcap), or None
+    for any other callable, ``functools.wraps`` wrappers included."""
+    return info_of(mod)
+
+
+def _additive(bias: BiasFn, name: str, structure: dict, factory: Callable[..., Any],
+              *args: Any) -> ScoreMod:
+    """Build ``score + bias(...)``, named, described as additive, pickled as
+    ``factory(*args)``."""
 
     def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return score + bias(b, h, q_idx, kv_idx).to(score.dtype)
 
-    mod.__name__ = mod.__qualname__ = name
-    mod._attnkit_bias = bias  # type: ignore[attr-defined]
-    mod._attnkit_structure = structure  # type: ignore[attr-defined]
-    return mod
+    return Builtin(mod, name, ModInfo(structure=structure, bias=bias), factory, args,
+                   module=__name__)
 
 
 # --------------------------------------------------------------------------- ALiBi
@@ -114,7 +126,8 @@ def alibi(slopes: Union[Tensor, Sequence[float]], offset: int = 0) -> ScoreMod:
         return -_to_device(slopes_t, h)[h] * (q_idx + offset - kv_idx).abs()
 
     name = f"alibi_{slopes_t.numel()}" + (f"_offset{offset}" if offset else "")
-    return _additive(bias, name, {"kind": "alibi", "slopes": slopes_t, "offset": offset})
+    return _additive(bias, name, {"kind": "alibi", "slopes": slopes_t, "offset": offset},
+                     alibi, slopes_t, offset)
 
 
 # --------------------------------------------------------------------------- others
@@ -123,7 +136,7 @@ def alibi(slopes: Union[Tensor, Sequence[float]], offset: int = 0) -> ScoreMod:
 def softcap(cap: float) -> ScoreMod:
     """Soft capping (Gemma 2, Grok): ``cap * tanh(score / cap)``; keeps scores in (-cap, cap).
 
-    Carries ``_attnkit_softcap = cap`` so executors can fuse it (and its derivative
+    Described with ``cap`` (:func:`describe`) so executors can fuse it (and its derivative
     ``1 - tanh^2``) instead of calling the closure.
     """
     if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
@@ -137,10 +150,8 @@ def softcap(cap: float) -> ScoreMod:
     def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return cap * torch.tanh(score / cap)
 
-    mod.__name__ = mod.__qualname__ = f"softcap_{cap}"
-    mod._attnkit_softcap = cap  # type: ignore[attr-defined]
-    mod._attnkit_structure = {"kind": "softcap", "cap": cap}  # type: ignore[attr-defined]
-    return mod
+    return Builtin(mod, f"softcap_{cap}", ModInfo(structure={"kind": "softcap", "cap": cap},
+                                                  cap=cap), softcap, (cap,), module=__name__)
 
 
 def relative_bias(table: Tensor) -> ScoreMod:
@@ -171,7 +182,8 @@ def relative_bias(table: Tensor) -> ScoreMod:
         return t[h, idx] if per_head else t[idx]
 
     name = f"relative_bias_{m}" + (f"_h{table.shape[0]}" if per_head else "")
-    return _additive(bias, name, {"kind": "relative_bias", "table": table, "max_distance": m})
+    return _additive(bias, name, {"kind": "relative_bias", "table": table, "max_distance": m},
+                     relative_bias, table)
 
 
 def head_bias(values: Union[Tensor, Sequence[float]]) -> ScoreMod:
@@ -182,16 +194,16 @@ def head_bias(values: Union[Tensor, Sequence[float]]) -> ScoreMod:
         return _to_device(values_t, h)[h]
 
     return _additive(bias, f"head_bias_{values_t.numel()}",
-                     {"kind": "head_bias", "values": values_t})
+                     {"kind": "head_bias", "values": values_t}, head_bias, values_t)
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
     """Apply score mods left to right: ``compose(f, g)(s, ...) == g(f(s, ...), ...)``.
 
-    If every part is additive the result is additive too: it computes
+    If every part is an additive builtin the result is additive too: it computes
     ``score + sum of the parts' biases`` in one step (equal to the chained application up to
-    float rounding) and carries that sum as ``_attnkit_bias``. Put :func:`softcap` last to cap
-    the biased score.
+    float rounding) and is described by that sum. Put :func:`softcap` last to cap the biased
+    score.
     """
     if not mods:
         raise ValueError("compose needs at least one score_mod.")
@@ -202,9 +214,10 @@ def compose(*mods: ScoreMod) -> ScoreMod:
                 f"(score, b, h, q_idx, kv_idx) -> Tensor, got {type(m).__name__}.")
 
     name = "compose(" + ",".join(getattr(m, "__name__", type(m).__name__) for m in mods) + ")"
+    infos = [info_of(m) for m in mods]
     structure = {"kind": "compose",
-                 "parts": [getattr(m, "_attnkit_structure", None) for m in mods]}
-    biases: list[Optional[BiasFn]] = [getattr(m, "_attnkit_bias", None) for m in mods]
+                 "parts": [None if i is None else i.structure for i in infos]}
+    biases: list[Optional[BiasFn]] = [None if i is None else i.bias for i in infos]
     if all(bf is not None for bf in biases):
         # All additive: one bias (the sum), so mod == score + bias holds exactly.
         def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -213,13 +226,11 @@ def compose(*mods: ScoreMod) -> ScoreMod:
                 out = out + bf(b, h, q_idx, kv_idx)  # type: ignore[misc]
             return out
 
-        return _additive(bias, name, structure)
+        return _additive(bias, name, structure, compose, *mods)
 
     def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         for m in mods:
             score = m(score, b, h, q_idx, kv_idx)
         return score
 
-    mod.__name__ = mod.__qualname__ = name
-    mod._attnkit_structure = structure  # type: ignore[attr-defined]
-    return mod
+    return Builtin(mod, name, ModInfo(structure=structure), compose, mods, module=__name__)

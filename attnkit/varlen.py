@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .api import _execute
+from .mods import remap
 from .spec import build_spec
 
 
@@ -86,16 +87,8 @@ def _local_score_mod(score_mod: Callable, seg_q: Tensor, seg_k: Tensor, cu_q: Te
                      cu_k: Tensor) -> Callable:
     """Wrap a score_mod so it sees (sequence, head, local q position, local kv position)."""
 
-    def local(score, b, h, q_idx, kv_idx):
+    def local(b, h, q_idx, kv_idx):
         s = seg_q[q_idx]
-        return score_mod(score, s, h, q_idx - cu_q[s], kv_idx - cu_k[seg_k[kv_idx]])
+        return s, h, q_idx - cu_q[s], kv_idx - cu_k[seg_k[kv_idx]]
 
-    bias = getattr(score_mod, "_attnkit_bias", None)
-    if callable(bias):
-        def local_bias(b, h, q_idx, kv_idx):
-            s = seg_q[q_idx]
-            return bias(s, h, q_idx - cu_q[s], kv_idx - cu_k[seg_k[kv_idx]])
-
-        local._attnkit_bias = local_bias  # type: ignore[attr-defined]
-    local.__name__ = f"varlen({getattr(score_mod, '__name__', 'score_mod')})"
-    return local
+    return remap(score_mod, local, score=True, suffix="varlen")

@@ -219,7 +219,7 @@ def test_structure_hint_not_trusted_on_wrappers():
     def wrapper(b, h, q, k):
         return base(b, h, q, k) & (k % 2 == 0)
 
-    assert hasattr(wrapper, "_attnkit_structure")  # copied by functools.wraps ...
+    assert hasattr(wrapper, "_info")  # the description is copied by functools.wraps ...
     assert M.structure_of(wrapper) is None  # ... but not trusted
     assert M.structure_of(lambda b, h, q, k: q >= k) is None
     assert M.structure_of(base) is not None

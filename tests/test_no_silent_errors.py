@@ -6,12 +6,15 @@ checks for the one clear error that replaces the wrong answer.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import rand
 
 import attnkit
+from attnkit import score_mods
 from attnkit.reference import attention_reference
 
 bias_module = pytest.importorskip("torch.nn.attention.bias")
@@ -98,3 +101,48 @@ def test_parameter_bias_is_accepted():
     ref = attention_reference(q, k, v, bias=p.detach())
     torch.testing.assert_close(out, ref)
     assert p.grad is not None
+
+
+# ---- a functools.wraps wrapper around a builtin score mod --------------------------------
+
+
+def _wrapped_alibi(h):
+    base = score_mods.alibi(score_mods.alibi_slopes(h))
+
+    @functools.wraps(base)
+    def doubled(score, b, h, q_idx, kv_idx):  # changes what the builtin does
+        return 2.0 * base(score, b, h, q_idx, kv_idx)
+
+    return base, doubled
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_wraps_wrapper_around_builtin_score_mod_runs_as_written(backend):
+    base, doubled = _wrapped_alibi(4)
+    assert score_mods.describe(doubled) is None and score_mods.describe(base) is not None
+    q, k, v = (rand(2, 4, n, 16, requires_grad=True) for n in (37, 50, 50))
+    out = attnkit.attention(q, k, v, score_mod=doubled, causal=True, backend=backend)
+    ref = attention_reference(q, k, v, score_mod=doubled, causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    plain = attention_reference(q, k, v, score_mod=base, causal=True)
+    assert (out - plain).abs().max() > 1e-2  # the wrapper's change is not dropped
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    rg = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g, rg):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    with pytest.raises(NotImplementedError, match="not additive"):
+        attnkit.attention(q, k, v, score_mod=doubled, backend="fused")
+
+
+def test_wraps_wrapper_through_flex_and_varlen():
+    base, doubled = _wrapped_alibi(2)
+    q, k, v = (rand(1, 2, 24, 8) for _ in range(3))
+    torch.testing.assert_close(attnkit.flex_attention(q, k, v, score_mod=doubled),
+                               attention_reference(q, k, v, score_mod=doubled))
+    cu = torch.tensor([0, 10, 24])
+    out = attnkit.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                   v[0].transpose(0, 1), cu, cu, score_mod=doubled)
+    for s0, s1 in ((0, 10), (10, 24)):
+        ref = attention_reference(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1],
+                                  score_mod=doubled)
+        torch.testing.assert_close(out[s0:s1].transpose(0, 1), ref[0])

@@ -88,8 +88,8 @@ def test_softcap():
     mod = S.softcap(30)
     s = scores(1, 2, 3, 4, dtype=torch.float64) * 100
     assert torch.equal(mod(s, *idx(1, 2, 3, 4)), 30.0 * torch.tanh(s / 30.0))
-    assert mod._attnkit_softcap == 30.0 and isinstance(mod._attnkit_softcap, float)
-    assert not hasattr(mod, "_attnkit_bias")
+    assert S.describe(mod).cap == 30.0 and isinstance(S.describe(mod).cap, float)
+    assert S.describe(mod).bias is None
     assert mod(s, *idx(1, 2, 3, 4)).abs().max() < 30.0
 
 
@@ -161,8 +161,8 @@ def test_bias_consistency(mod, dtype):
     ix = idx(2, 3, 6, 10)
     out = mod(s, *ix)
     assert out.dtype == dtype
-    assert torch.equal(out, s + mod._attnkit_bias(*ix).to(dtype))
-    assert mod._attnkit_bias(*ix).abs().sum() > 0  # the bias is not trivially zero
+    assert torch.equal(out, s + S.describe(mod).bias(*ix).to(dtype))
+    assert S.describe(mod).bias(*ix).abs().sum() > 0  # the bias is not trivially zero
 
 
 def test_compose_order_and_additivity():
@@ -172,11 +172,11 @@ def test_compose_order_and_additivity():
     torch.testing.assert_close(S.compose(a, c)(s, *ix), c(a(s, *ix), *ix))
     torch.testing.assert_close(S.compose(c, a)(s, *ix), a(c(s, *ix), *ix))
     assert not torch.allclose(S.compose(a, c)(s, *ix), S.compose(c, a)(s, *ix))
-    assert not hasattr(S.compose(a, c), "_attnkit_bias")
+    assert S.describe(S.compose(a, c)).bias is None
     hb = S.head_bias(torch.tensor([1.0, 2.0]))
     both = S.compose(a, hb)
     torch.testing.assert_close(both(s, *ix), hb(a(s, *ix), *ix))
-    assert both._attnkit_structure["parts"][0]["kind"] == "alibi"
+    assert S.describe(both).structure["parts"][0]["kind"] == "alibi"
 
 
 def test_runs_under_torch_flex_attention():
@@ -217,10 +217,10 @@ def test_names():
 
 
 def test_structures():
-    st = S.alibi(S.alibi_slopes(4), offset=2)._attnkit_structure
+    st = S.describe(S.alibi(S.alibi_slopes(4), offset=2)).structure
     assert st["kind"] == "alibi" and st["offset"] == 2 and st["slopes"].shape == (4,)
-    assert S.softcap(3)._attnkit_structure == {"kind": "softcap", "cap": 3.0}
-    assert S.relative_bias(torch.zeros(5))._attnkit_structure["max_distance"] == 3
+    assert S.describe(S.softcap(3)).structure == {"kind": "softcap", "cap": 3.0}
+    assert S.describe(S.relative_bias(torch.zeros(5))).structure["max_distance"] == 3
 
 
 @pytest.mark.parametrize("call,exc,words", [

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..merge import merge_state
+from ..mods import info_of, remap
 from ..plan import ANALYTIC_TERMS, Plan, make_plan, range_visibility, tile_visibility
 from ..spec import AttentionSpec
 from . import tiled
@@ -70,7 +71,8 @@ FWD_OP, BWD_OP = _load_ops()
 
 
 def is_additive(score_mod: Optional[Callable]) -> bool:
-    return score_mod is None or callable(getattr(score_mod, "_attnkit_bias", None))
+    info = info_of(score_mod)
+    return score_mod is None or (info is not None and info.bias is not None)
 
 
 def has_additive_terms(spec: AttentionSpec) -> bool:
@@ -88,7 +90,7 @@ def not_supported_reasons(spec: AttentionSpec) -> List[str]:
     if spec.softcap is not None:
         reasons.append("softcap is not additive; the fused kernel takes only an additive mask")
     if not is_additive(spec.score_mod):
-        reasons.append("the score_mod is not additive (no _attnkit_bias); the fused kernel "
+        reasons.append("the score_mod is not additive (not an additive builtin); the fused kernel "
                        "takes only an additive mask")
     if spec.dropout_p > 0.0 or spec.dropout_mask is not None:
         reasons.append("dropout: torch's fused CPU kernel has no dropout")
@@ -125,20 +127,12 @@ def _splittable(spec: AttentionSpec) -> bool:
             and spec.block_mask is None and spec.segments_q is None and spec.row_offset is None)
 
 
-def _shift_batch(mod: Optional[Callable], b0: int) -> Optional[Callable]:
+def _shift_batch(mod: Optional[Callable], b0: int, score: bool) -> Optional[Callable]:
     """A mod that sees batch index b0 + b (a batch row run on its own keeps its index)."""
     if mod is None:
         return None
-
-    def shifted(*args):
-        *head, b, h, i, j = args
-        return mod(*head, b + b0, h, i, j)
-
-    bias = getattr(mod, "_attnkit_bias", None)
-    if callable(bias):
-        shifted._attnkit_bias = _shift_batch(bias, b0)  # type: ignore[attr-defined]
-    shifted.__name__ = getattr(mod, "__name__", "mod")
-    return shifted
+    return remap(mod, lambda b, h, i, j: (b + b0, h, i, j), score=score, suffix=f"b{b0}",
+                 keep_structure=score)
 
 
 def _batch_row_spec(spec: AttentionSpec, b: int, sq: int, sk: int) -> AttentionSpec:
@@ -157,8 +151,8 @@ def _batch_row_spec(spec: AttentionSpec, b: int, sq: int, sk: int) -> AttentionS
     return replace(spec, q=spec.q[b:b + 1, :, :sq], k=spec.k[b:b + 1, :, :sk],
                    v=spec.v[b:b + 1, :, :sk], batch_shape=(1,), mask=cut(spec.mask),
                    bias=cut(spec.bias), alibi_slopes=slopes, seqlens_q=None, seqlens_kv=None,
-                   mask_mod=_shift_batch(spec.mask_mod, b),
-                   score_mod=_shift_batch(spec.score_mod, b), sinks=None)
+                   mask_mod=_shift_batch(spec.mask_mod, b, score=False),
+                   score_mod=_shift_batch(spec.score_mod, b, score=True), sinks=None)
 
 
 def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
@@ -436,7 +430,8 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
         term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
         tile, fresh = (term if tile is None else tile + term), True
     if spec.score_mod is not None:
-        structure = getattr(spec.score_mod, "_attnkit_structure", None) or {}
+        info = info_of(spec.score_mod)
+        structure = info.structure
         if structure.get("kind") == "relative_bias" and keys is not None:
             term = _relative_bias_tile(structure["table"], structure["max_distance"], q0, q1,
                                        *keys, dtype)
@@ -445,7 +440,7 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
             bh = torch.arange(spec.n, device=dev).view(-1, 1, 1, 1)
             hh = torch.arange(spec.hq, device=dev).view(1, -1, 1, 1)
             with torch.no_grad():
-                term = spec.score_mod._attnkit_bias(bh, hh, i, jj).to(dtype)
+                term = info.bias(bh, hh, i, jj).to(dtype)
             tile, fresh = (term, False) if tile is None else (tile + term, True)
     return tile, fresh
 

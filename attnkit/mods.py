@@ -1,0 +1,108 @@
+"""What attnkit knows about its builtin mask_mods and score_mods, and how it re-indexes mods.
+
+A builtin (``masks.causal()``, ``score_mods.alibi(...)``, ...) is a :class:`Builtin`: a named
+callable that carries a frozen :class:`ModInfo` describing it (a mask's structure, a score
+mod's additive bias or softcap), so executors can run it without calling it element by
+element. The description is trusted only on genuine builtins: ``functools.wraps`` copies
+attributes onto a wrapper, but the wrapper is a plain function, so :func:`info_of` returns
+None for it and the wrapper is evaluated as the user wrote it.
+
+Builtins pickle (and ``torch.save``) by their factory and arguments: ``masks.causal()``
+unpickles as ``masks.causal()`` again.
+
+:func:`remap` is the one re-indexing helper: the fused executor runs a batch row on its own
+(``b -> b + b0``), varlen hands a mod per-sequence positions, ring attention global ones. A
+builtin stays a builtin through it, with its bias re-indexed the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from torch import Tensor
+
+__all__ = ["Builtin", "ModInfo", "info_of", "remap"]
+
+IndexMap = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class ModInfo:
+    """A builtin mod's description.
+
+    ``structure``: the documented plain dict (see :mod:`attnkit.masks` and
+    :mod:`attnkit.score_mods`); ``bias``: for an additive score mod, ``fn(b, h, q_idx, kv_idx)``
+    with ``mod(score, b, h, q, k) == score + fn(b, h, q, k).to(score.dtype)``; ``cap``: the cap
+    of a softcap score mod."""
+
+    structure: Mapping[str, Any] = field(default_factory=dict)
+    bias: Optional[Callable[..., Tensor]] = None
+    cap: Optional[float] = None
+
+    @property
+    def kind(self) -> Optional[str]:
+        return self.structure.get("kind")
+
+
+class Builtin:
+    """A builtin mod: calls ``fn``, is named ``name``, described by ``info``, and pickles as
+    ``factory(*args)`` (``factory=None``: a module-level object pickled by its name)."""
+
+    def __init__(self, fn: Callable[..., Tensor], name: str, info: ModInfo,
+                 factory: Optional[Callable[..., Any]] = None, args: Tuple[Any, ...] = (),
+                 module: str = "attnkit") -> None:
+        self._fn = fn
+        self._info = info
+        self._factory = factory
+        self._args = args
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = module
+        self.__doc__ = fn.__doc__
+        self.__signature__ = inspect.signature(fn)  # torch's flex counts the parameters
+
+    def __call__(self, *args: Any) -> Tensor:
+        return self._fn(*args)
+
+    def __reduce__(self) -> Any:
+        if self._factory is None:
+            return self.__name__  # a module-level builtin: found again by name
+        return (self._factory, self._args)
+
+    def __repr__(self) -> str:
+        return f"<attnkit {self.__name__}>"
+
+
+def info_of(mod: Any) -> Optional[ModInfo]:
+    """The description of a genuine builtin mod, else None (wrappers included)."""
+    return mod._info if type(mod) is Builtin else None
+
+
+def remap(mod: Callable[..., Tensor], index_map: IndexMap, *, score: bool, suffix: str,
+          keep_structure: bool = False) -> Callable[..., Tensor]:
+    """``mod`` called with re-indexed ``(b, h, q_idx, kv_idx) = index_map(b, h, q, k)``.
+
+    ``score`` says whether ``mod`` is a score_mod (a leading ``score`` argument) or a
+    mask_mod. A builtin stays a builtin: its bias is re-indexed the same way and its cap kept;
+    its structure is kept only with ``keep_structure`` (a map that leaves positions alone)."""
+    name = f"{getattr(mod, '__name__', type(mod).__name__)}_{suffix}"
+    if score:
+        def fn(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return mod(s, *index_map(b, h, q_idx, kv_idx))
+    else:
+        def fn(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:  # type: ignore[misc]
+            return mod(*index_map(b, h, q_idx, kv_idx))
+    info = info_of(mod)
+    if info is None:
+        fn.__name__ = fn.__qualname__ = name
+        return fn
+    bias = info.bias
+    if bias is not None:
+        inner = bias
+
+        def bias(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return inner(*index_map(b, h, q_idx, kv_idx))
+
+    structure = info.structure if keep_structure else {"kind": "remapped"}
+    return Builtin(fn, name, ModInfo(structure=structure, bias=bias, cap=info.cap))
