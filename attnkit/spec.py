@@ -21,7 +21,9 @@ The score pipeline, in this order, for query i and key j (i' = i + diagonal offs
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 
@@ -303,22 +305,40 @@ def _check_seqlens(name: str, x: Any, n: int, limit: int, device: torch.device) 
     return x
 
 
+#: Objects :func:`find_captured_tensors` visits at most (a guard against huge containers).
+_VISIT_LIMIT = 100_000
+
+
+def _code_names(code: Any) -> set:
+    """Global and attribute names a code object (and the functions nested in it) reads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
 def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
-    """Tensors that require grad and that a mod closes over (searched through nested closures,
-    ``functools.partial`` objects, lists, tuples and dicts). They become explicit inputs of the
-    autograd node, so gradients reach them."""
+    """Tensors that require grad and that a mod can reach: its closure cells, default
+    arguments, the module globals its code names (and attributes it reads of global modules),
+    the functions it calls through those, ``functools.partial`` arguments, a bound method's
+    ``self`` or a callable object's attributes (``nn.Module`` parameters included), searched
+    through lists, tuples, sets and dicts. They become explicit inputs of the autograd node, so
+    gradients reach them."""
     seen = set() if _seen is None else _seen
     found: list = []
 
     def visit(obj: Any) -> None:
-        if id(obj) in seen:
+        if id(obj) in seen or len(seen) > _VISIT_LIMIT:
             return
         seen.add(id(obj))
         if isinstance(obj, Tensor):
             if obj.requires_grad:
                 found.append(obj)
             return
-        if isinstance(obj, (list, tuple, set)):
+        if isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool)):
+            return
+        if isinstance(obj, (list, tuple, set, frozenset)):
             for item in obj:
                 visit(item)
             return
@@ -326,27 +346,42 @@ def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
             for item in obj.values():
                 visit(item)
             return
-        func = getattr(obj, "func", None)  # functools.partial
-        if func is not None and hasattr(obj, "args"):
-            visit(func)
+        if isinstance(obj, functools.partial):
+            visit(obj.func)
             visit(obj.args)
-            visit(getattr(obj, "keywords", {}) or {})
+            visit(obj.keywords)
             return
-        closure = getattr(obj, "__closure__", None)
-        if closure:
-            for cell in closure:
+        if isinstance(obj, types.MethodType):
+            visit(obj.__self__)
+            visit(obj.__func__)
+            return
+        if isinstance(obj, types.FunctionType):
+            if (obj.__module__ or "").split(".")[0] == "torch":
+                return  # torch's own functions hold no user tensors
+            for cell in obj.__closure__ or ():
                 try:
                     visit(cell.cell_contents)
                 except ValueError:  # empty cell
                     pass
-        defaults = getattr(obj, "__defaults__", None)
-        if defaults:
-            visit(defaults)
-        if hasattr(obj, "__self__"):  # bound method
-            visit(obj.__self__)
+            visit(obj.__defaults__ or ())
+            visit(obj.__kwdefaults__ or {})
+            names = _code_names(obj.__code__)
+            for name in names:
+                value = obj.__globals__.get(name)
+                if isinstance(value, types.ModuleType):  # ``mod.table``: the attributes named
+                    for attr in names:
+                        visit(getattr(value, attr, None))
+                else:
+                    visit(value)
+            return
         attrs = getattr(obj, "__dict__", None)
-        if isinstance(attrs, dict) and not isinstance(obj, type):
+        if isinstance(attrs, dict):  # a callable object, nn.Module, attnkit builtin
             visit(attrs)
+            for klass in type(obj).__mro__:
+                call = klass.__dict__.get("__call__")
+                if call is not None:
+                    visit(call)
+                    break
 
     visit(fn)
     unique, ids = [], set()
@@ -355,6 +390,43 @@ def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
             ids.add(id(t))
             unique.append(t)
     return unique
+
+
+def check_score_mod_gradients(score_mod: Callable[..., Tensor], params: Sequence[Tensor],
+                              q: Tensor) -> None:
+    """Call ``score_mod`` once on a 1 x 1 tile and walk the autograd graph of its result: a
+    tensor that requires grad but is not among ``params`` (nor behind one of them) would get
+    no gradient, so raise one error that says which tensor and how to pass it."""
+    dev = q.device
+    score = torch.zeros((1, 1, 1, 1), dtype=q.dtype, device=dev, requires_grad=True)
+    idx = torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=dev)
+    try:
+        with torch.enable_grad():
+            out = score_mod(score, idx, idx, idx, idx)
+    except Exception:  # noqa: BLE001 - the real evaluation reports the mod's own error
+        return
+    if not isinstance(out, Tensor) or out.grad_fn is None:
+        return
+    known = {id(p) for p in params} | {id(score)}
+    stops = {p.grad_fn for p in params if p.grad_fn is not None}
+    stack, visited, missing = [out.grad_fn], set(), []
+    while stack and len(visited) < _VISIT_LIMIT:
+        node = stack.pop()
+        if node is None or node in visited or node in stops:
+            continue
+        visited.add(node)
+        var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(var, Tensor) and id(var) not in known:
+            missing.append(var)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if missing:
+        t = missing[0]
+        raise ValueError(
+            f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)} uses a tensor "
+            f"that requires grad (shape {tuple(t.shape)}, {t.dtype}) that attnkit cannot reach "
+            f"from the function, so it would get no gradient; pass it through a closure, a "
+            f"default argument or functools.partial (e.g. def mod(score, b, h, q, kv, "
+            f"table=table)), or detach it if it needs no gradient")
 
 
 def _causal_bias_class() -> Optional[type]:
@@ -486,6 +558,8 @@ def build_spec(
                             f"score; got {type(score_mod).__name__}")
         spec.score_mod = score_mod
         spec.score_mod_params = tuple(find_captured_tensors(score_mod))
+        if torch.is_grad_enabled():
+            check_score_mod_gradients(score_mod, spec.score_mod_params, qc)
 
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):

@@ -7,6 +7,7 @@ checks for the one clear error that replaces the wrong answer.
 from __future__ import annotations
 
 import functools
+import types
 
 import pytest
 import torch
@@ -146,3 +147,114 @@ def test_wraps_wrapper_through_flex_and_varlen():
         ref = attention_reference(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1],
                                   score_mod=doubled)
         torch.testing.assert_close(out[s0:s1].transpose(0, 1), ref[0])
+
+
+# ---- tensors a score_mod reads from module globals get their gradient ----------------------
+
+S_REL = 12
+GLOBAL_TABLE = torch.randn(2 * S_REL - 1, dtype=torch.float64, requires_grad=True)
+holder = types.ModuleType("holder")  # a module whose attribute the mod reads
+holder.table = torch.randn(2 * S_REL - 1, dtype=torch.float64, requires_grad=True)
+
+
+def relbias_global(score, b, h, q_idx, kv_idx):  # torch's FlexAttention docs' example
+    return score + GLOBAL_TABLE[q_idx - kv_idx + S_REL - 1]
+
+
+def _lookup(q_idx, kv_idx):
+    return holder.table[q_idx - kv_idx + S_REL - 1]
+
+
+def relbias_module_attr(score, b, h, q_idx, kv_idx):  # through a helper and a module attribute
+    return score + _lookup(q_idx, kv_idx)
+
+
+class Scaler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.5, 1.5], dtype=torch.float64))
+
+    def mod(self, score, b, h, q_idx, kv_idx):
+        return score * self.w[h]
+
+
+class HeadScale:  # a callable object
+    def __init__(self):
+        self.w = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score * self.w[h]
+
+
+def _default_arg_mod():
+    t = torch.randn(2 * S_REL - 1, dtype=torch.float64, requires_grad=True)
+
+    def mod(score, b, h, q_idx, kv_idx, table=t):
+        return score + table[q_idx - kv_idx + S_REL - 1]
+    return mod, t
+
+
+def _cases():
+    scaler, call = Scaler(), HeadScale()
+    mod, t = _default_arg_mod()
+    return {"global": (relbias_global, GLOBAL_TABLE),
+            "module_attr": (relbias_module_attr, holder.table),
+            "bound_method": (scaler.mod, scaler.w),
+            "callable_object": (call, call.w),
+            "default_arg": (mod, t)}
+
+
+@pytest.mark.parametrize("case", ["global", "module_attr", "bound_method", "callable_object",
+                                  "default_arg"])
+@pytest.mark.parametrize("door", ["attention", "tiled", "flex"])
+def test_score_mod_tensors_outside_closures_get_gradients(case, door):
+    mod, table = _cases()[case]
+    q, k, v = (rand(1, 2, S_REL, 8, requires_grad=True) for _ in range(3))
+    if door == "flex":
+        out = attnkit.flex_attention(q, k, v, score_mod=mod)
+    else:
+        out = attnkit.attention(q, k, v, score_mod=mod, causal=True,
+                                backend="tiled" if door == "tiled" else "auto")
+    table.grad = None
+    (out * out).sum().backward()
+    got = table.grad.clone()
+    table.grad = None
+    ref = attention_reference(q, k, v, score_mod=mod, causal=door != "flex")
+    (want,) = torch.autograd.grad((ref * ref).sum(), (table,))
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+class Hidden:
+    table = torch.randn(2 * S_REL - 1, dtype=torch.float64, requires_grad=True)  # class attr
+
+
+def hidden_mod(score, b, h, q_idx, kv_idx):
+    return score + Hidden.table[q_idx - kv_idx + S_REL - 1]
+
+
+def test_score_mod_tensor_that_cannot_be_reached_is_an_error():
+    q, k, v = (rand(1, 2, S_REL, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"hidden_mod.*requires grad.*\(23,\).*closure"):
+        attnkit.attention(q, k, v, score_mod=hidden_mod)
+    with torch.no_grad():  # no gradient wanted: no complaint
+        attnkit.attention(q, k, v, score_mod=hidden_mod)
+    detached = Hidden.table.detach()
+    out = attnkit.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + detached[i - j + 11])
+    assert out.shape == q.shape
+
+
+def test_score_mod_closure_over_a_non_leaf_reaches_its_leaf():
+    w = torch.randn(2 * S_REL - 1, dtype=torch.float64, requires_grad=True)
+
+    def make():
+        table = w * 2.0  # not a leaf: its gradient flows on to w
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + table[q_idx - kv_idx + S_REL - 1]
+        return mod
+
+    q, k, v = (rand(1, 2, S_REL, 8) for _ in range(3))
+    (g,) = torch.autograd.grad(attnkit.attention(q, k, v, score_mod=make()).sum(), (w,))
+    (want,) = torch.autograd.grad(attention_reference(q, k, v, score_mod=make()).sum(), (w,))
+    torch.testing.assert_close(g, want)
