@@ -7,11 +7,14 @@ import argparse
 import json
 import math
 import os
+import sys
+import time
 
 import pytest
 import torch
 
 from attnkit.bench import add_arguments, run_from_args
+from attnkit.bench import main as bench_main
 from attnkit.bench import report as rep
 from attnkit.bench.accuracy import errors, reference
 from attnkit.bench.cases import CATALOG, Case, random_lengths, select
@@ -389,6 +392,147 @@ def test_cli_errors(monkeypatch, capsys) -> None:
     assert run_from_args(_parse("--only", "small_256", "--plot", "x.png")) == 2
     assert "needs matplotlib" in capsys.readouterr().err
     assert run_from_args(_parse("--list")) == 0
+
+
+def test_bad_options_are_refused_before_running(tmp_path, capsys) -> None:
+    start = time.perf_counter()
+    assert run_from_args(_parse("--only", "small_256", "--json",
+                                str(tmp_path / "missing" / "b.json"))) == 2
+    assert run_from_args(_parse("--only", "small_256", "--plot", str(tmp_path))) == 2
+    assert time.perf_counter() - start < 5  # nothing was timed first
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "is a folder" in err
+    for argv in (["--repeat", "0"], ["--mem-budget", "0"], ["--min-sample-ms", "-1"],
+                 ["--suite", "huge"]):
+        assert bench_main(argv) == 2, argv
+        assert argv[0] in capsys.readouterr().err
+
+
+def test_one_line_per_finished_case_without_a_terminal(tmp_path, monkeypatch) -> None:
+    """Piped or in CI: a line per case as it finishes (before the next starts), not only the
+    table at the end; the JSON carries the contention record."""
+    import io
+
+    from attnkit.bench import runner
+
+    out = io.StringIO()  # not a terminal
+    monkeypatch.setattr(sys, "stdout", out)
+    seen_at_start = []
+    real_run_case = runner.run_case
+
+    def run_case(case, *args, **kw):
+        seen_at_start.append(out.getvalue())
+        return real_run_case(case, *args, **kw)
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)  # faster
+    path = str(tmp_path / "b.json")
+    args = _parse("--only", "small_256,causal_br_256_1k", "--pass", "fwd", "--peers",
+                  "attnkit,naive", "--repeat", "1", "--no-memory", "--no-malloc-tune",
+                  "--min-sample-ms", "1", "--json", path)
+    assert run_from_args(args) == 0
+    text = out.getvalue()
+    assert "[1/2] small_256: float32 fwd attnkit " in seen_at_start[1]  # printed as it went
+    assert "[2/2] causal_br_256_1k:" not in seen_at_start[1]
+    line2 = next(x for x in text.splitlines() if x.startswith("[2/2] causal_br_256_1k:"))
+    assert "naive" in line2 and "ms" in line2
+    assert text.index("[2/2]") < text.index("attnkit bench, suite quick:")  # before the table
+    doc = json.load(open(path))
+    assert rep.validate(doc) == []
+    load = doc["contention"]
+    assert load["threads"] == torch.get_num_threads() and isinstance(load["contended"], bool)
+    if load["threads"] >= 2:  # the one-thread matmul was measured for the scaling
+        assert load["matmul_float32_1_thread_gflops"] == 100.0 and load["thread_scaling"] == 1.0
+        assert load["contended"]  # 1.0x on >= 2 threads
+    assert (runner.contention_line(load) is not None) == load["contended"]
+
+
+def test_contention_is_said_above_the_table(monkeypatch, capsys) -> None:
+    from attnkit.bench import runner
+
+    busy = runner.assess_load(cores=2, threads=2, load_avg=0.1, single_gflops=100.0,
+                              multi_gflops=105.0, others_cores=0.9)
+    monkeypatch.setattr(runner, "assess_load", lambda **kw: busy)
+    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)  # faster
+    args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "attnkit", "--repeat", "1",
+                  "--no-memory", "--no-malloc-tune", "--min-sample-ms", "1")
+    assert run_from_args(args) == 0
+    out = capsys.readouterr().out
+    warning = runner.contention_line(busy)
+    assert warning and "\n" not in warning and warning in out
+    assert out.index(warning) < out.index("attnkit bench, suite quick:")
+
+
+def test_assess_load_decides_from_scaling_other_processes_and_load() -> None:
+    from attnkit.bench.runner import assess_load, contention_line
+
+    idle = assess_load(cores=2, threads=2, load_avg=0.2, single_gflops=95.0, multi_gflops=180.0,
+                       others_cores=0.05)
+    assert not idle["contended"] and idle["reasons"] == [] and contention_line(idle) is None
+    assert idle["thread_scaling"] == pytest.approx(180 / 95)
+    slow = assess_load(cores=2, threads=2, load_avg=None, single_gflops=95.0,
+                       multi_gflops=100.0, others_cores=None)
+    assert slow["contended"] and "1.1x one thread" in slow["reasons"][0]
+    others = assess_load(cores=2, threads=2, load_avg=0.2, single_gflops=None,
+                         multi_gflops=None, others_cores=1.1)
+    assert others["contended"] and "1.1 of the 2 cores" in others["reasons"][0]
+    # cores torch leaves idle may be used by others without competing
+    spare = assess_load(cores=8, threads=4, load_avg=1.0, single_gflops=None,
+                        multi_gflops=None, others_cores=3.5)
+    assert not spare["contended"]
+    loaded = assess_load(cores=2, threads=2, load_avg=2.5, single_gflops=None,
+                         multi_gflops=None, others_cores=None)
+    assert loaded["contended"] and "load average 2.5" in loaded["reasons"][0]
+    one = assess_load(cores=1, threads=1, load_avg=None, single_gflops=None,
+                      multi_gflops=50.0, others_cores=0.0)
+    assert one["thread_scaling"] is None and not one["contended"]
+    line = contention_line(others)
+    assert line.startswith("warning:") and "competing" in line and "\n" not in line
+
+
+def test_cpu_sample_counts_other_processes_and_not_our_children() -> None:
+    """A busy process outside this process tree shows up as other processes' CPU; a busy child
+    of ours counts as ours."""
+    import signal
+    import subprocess
+
+    from attnkit.bench.runner import cpu_sample, others_cpu_cores
+
+    if cpu_sample() is None:
+        pytest.skip("no /proc: CPU accounting is Linux-only")
+    spin = "import time\nt = time.time() + 6\nwhile time.time() < t: pass"
+    detached = subprocess.run(["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 & echo $!',
+                               sys.executable, spin], capture_output=True, text=True, timeout=30)
+    pid = int(detached.stdout.strip())
+    try:
+        time.sleep(0.5)
+        a = cpu_sample()
+        time.sleep(1.0)
+        b = cpu_sample()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert others_cpu_cores(a, b) > 0.4
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.5)
+        a = cpu_sample()
+        time.sleep(1.0)
+        b = cpu_sample()
+    finally:
+        child.kill()
+        child.wait()
+    assert (b.ours_s - a.ours_s) / (b.wall - a.wall) > 0.3
+
+
+def test_bench_main_exits_quietly_on_ctrl_c(monkeypatch, capsys) -> None:
+    import attnkit.bench as bench_pkg
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_pkg, "run_from_args", interrupted)
+    assert bench_main(["--only", "small_256"]) == 130
+    assert capsys.readouterr().err == "attnkit bench: interrupted\n"
 
 
 # --------------------------------------------------------------------------- workloads beyond

@@ -18,7 +18,10 @@ Per case, pass, dtype and peer: median time over interleaved rounds, the peer/at
 taken round by round, effective GFLOP/s over visible pairs and as a % of this machine's matmul
 GFLOP/s, peak memory of the call (fresh child process; cases marked for it, or all with
 ``--memory``), max error against a reference, and a note for anything not run. The JSON
-schema is in :mod:`attnkit.bench.report`.
+schema is in :mod:`attnkit.bench.report`. When stdout is not a terminal (``| tee``, CI) one
+line per finished case is printed as the run goes, instead of the progress bar. When another
+process competes for the cores (:func:`attnkit.bench.runner.assess_load`) a line above the
+table says so, and the JSON's ``contention`` entry holds the measurements.
 
 Layout: ``cases`` (catalog as data), ``peers`` (one adapter per implementation),
 ``workloads`` (inputs, dense spell-outs), ``flops``, ``timing``, ``accuracy``, ``memory``,
@@ -29,11 +32,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["SUITE_DEFAULTS", "add_arguments", "main", "run_from_args"]
+__all__ = ["DESCRIPTION", "QUICK_TIME", "SUITE_DEFAULTS", "add_arguments", "main",
+           "run_from_args"]
+
+QUICK_TIME = "about a minute on 2 cores"
+"""How long ``--suite quick`` takes on a fresh 2-core machine (measured: README, Benchmark)."""
+
+DESCRIPTION = (
+    "Benchmark attnkit against torch SDPA, FlexAttention (eager and compiled) and a naive "
+    "dense baseline, on the same inputs in the same run: median time, the peer/attnkit time "
+    "ratio, GFLOP/s and their share of this machine's matmul peak, peak memory and the error "
+    f"against a reference. Suites: quick ({QUICK_TIME}), standard (the README's figures), long "
+    "(standard plus 32k-64k contexts).")
+"""The ``--help`` description (plain text)."""
 
 SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "quick": {"dtypes": ["float32"], "peers": ["attnkit", "sdpa", "flex", "naive"],
@@ -50,11 +66,36 @@ def _csv(text: str) -> List[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _number(minimum: float, strict: bool) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value > minimum if strict else value >= minimum) or value == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"expected a number {'>' if strict else '>='} {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser`` (the ``attnkit bench`` subcommand calls this)."""
     parser.add_argument("--suite", choices=("quick", "standard", "long"), default="quick",
-                        help="quick: ~1 min, small shapes (default); standard: the performance "
-                             "goals (~20 min); long: standard plus 32k-64k contexts")
+                        help=f"quick: {QUICK_TIME}, small shapes (default); standard: the "
+                             "README's figures (~20 min); long: standard plus 32k-64k contexts")
     parser.add_argument("--dtype", dest="dtypes", type=_csv, default=None, metavar="LIST",
                         help="comma-separated dtypes, e.g. float32,bfloat16 "
                              "(default: quick float32, others both)")
@@ -69,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write every figure and the machine info to PATH")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="draw time per case per peer to PATH (needs matplotlib)")
-    parser.add_argument("--repeat", type=int, default=None, metavar="N",
+    parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
                         help="timed rounds per case (default: quick 3, standard 3, long 2; "
                              "slow cases cap it unless given here)")
     mem = parser.add_mutually_exclusive_group()
@@ -79,10 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                           "marked for it)")
     mem.add_argument("--no-memory", dest="memory", action="store_const", const="off",
                      help="measure no peak memory")
-    parser.add_argument("--mem-budget", dest="mem_budget_gib", type=float, default=6.0,
+    parser.add_argument("--mem-budget", dest="mem_budget_gib", type=_number(0, True),
+                        default=6.0,
                         metavar="GIB", help="skip a peer whose estimated extra memory exceeds "
                                             "this (default 6 GiB)")
-    parser.add_argument("--min-sample-ms", type=float, default=20.0, metavar="MS",
+    parser.add_argument("--min-sample-ms", type=_number(0, False), default=20.0, metavar="MS",
                         help="repeat small calls inside one sample to last at least this long")
     parser.add_argument("--no-malloc-tune", dest="tune_malloc", action="store_false",
                         help="leave glibc's malloc thresholds at their defaults (by default "
@@ -147,7 +189,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _error(f"unknown peer(s) {bad}; use {', '.join(PEERS)}")
     peers = [p for p in PEERS if p in peers]  # subject first, catalog order
     if args.repeat is not None and args.repeat < 1:
-        return _error("--repeat must be >= 1")
+        return _error(f"--repeat must be >= 1, got {args.repeat}")
+    if not args.mem_budget_gib > 0:
+        return _error(f"--mem-budget must be > 0 GiB, got {args.mem_budget_gib}")
+    if not args.min_sample_ms >= 0:
+        return _error(f"--min-sample-ms must be >= 0, got {args.min_sample_ms}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = _unwritable(path)
+        if problem:
+            return _error(f"{option} {path}: {problem}")
     if args.plot:
         missing = plot_available()
         if missing:
@@ -175,12 +225,29 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _unwritable(path: Optional[str]) -> Optional[str]:
+    """Why the run could not write ``path`` at its end (None when it can, or no path)."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return "is a folder; give a file name"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist; create it or choose another path"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable; choose another path"
+    return None
+
+
 def _run_distributed(args: argparse.Namespace) -> int:
     """``--distributed``: the ring-attention benchmark (:mod:`attnkit.bench.distributed`)."""
     from . import distributed, runner
 
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     start = time.perf_counter()
+    problem = _unwritable(args.json)
+    if problem:
+        return _error(f"--json {args.json}: {problem}")
     doc = distributed.run_distributed(distributed.default_settings())
     print(distributed.render(doc))
     if args.json:
@@ -193,37 +260,55 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
 
 def _run_with_progress(settings: Any) -> tuple:
+    """Run ``settings`` with a progress bar on a terminal, else one printed line per case."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import runner
-    from .report import build_report, render_table
+    from .report import build_report, progress_line, render_table
 
     start = time.perf_counter()
     created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = not sys.stdout.isatty()  # a pipe, a file, CI: no live display, a line per case
+    total = len(settings.cases)
+    finished = []
+
+    def case_done(case: Any, results: list) -> None:
+        finished.append(case)
+        if lines:
+            print(progress_line(len(finished), total, case, results,
+                                time.perf_counter() - start), flush=True)
+
+    if lines:
+        print(f"attnkit bench: suite {settings.suite}, {total} case(s), "
+              f"{', '.join(settings.dtypes)}, {', '.join(settings.passes)}, peers "
+              f"{', '.join(settings.peers)}; one line per finished case", flush=True)
     err_console = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
-                  transient=False) as progress:
+                  transient=False, disable=lines) as progress:
         task = progress.add_task("starting", total=runner.count_steps(settings))
         matmul, results = runner.run(
             settings,
             step=lambda text: progress.update(task, description=text),
-            advance=lambda: progress.advance(task))
+            advance=lambda: progress.advance(task), case_done=case_done)
         progress.update(task, description="done")
     wall = time.perf_counter() - start
     machine = runner.machine_info()
     doc = build_report(
         suite=settings.suite, created=created, wall_s=wall, machine=machine,
         matmul_gflops=matmul, settings=settings.to_json(),
-        cases=[c.describe() for c in settings.cases], results=results)
+        cases=[c.describe() for c in settings.cases], results=results,
+        contention=settings.load)
     if settings.bandwidth:
         doc["bandwidth"] = settings.bandwidth
     title = (f"attnkit bench, suite {settings.suite}: {machine['cpu']}, "
              f"{machine['threads']} threads, torch {machine['torch']}")
+    single = (settings.load or {}).get("matmul_float32_1_thread_gflops")
     caption = "\n".join([
-        f"matmul 2048^3 this run: float32 {matmul['float32']:.0f} GFLOP/s, "
-        f"bfloat16 {matmul['bfloat16']:.0f} GFLOP/s; wall {wall:.0f} s",
+        f"matmul 2048^3 this run: float32 {matmul['float32']:.0f} GFLOP/s"
+        + (f" ({single:.0f} on 1 thread)" if single else "")
+        + f", bfloat16 {matmul['bfloat16']:.0f} GFLOP/s; wall {wall:.0f} s",
         "ratio = peer time / attnkit time, median of per-round ratios (each peer run "
         "bracketed by attnkit runs); > 1 means attnkit is faster",
         "GFLOP/s count visible pairs only: fwd 2*B*H*Lq*Lk_vis*(dqk+dv), fwd+bwd 3.5x fwd",
@@ -233,13 +318,23 @@ def _run_with_progress(settings: Any) -> tuple:
         "--memory measures every case)",
         *runner.summary_lines(results),
     ])
+    warning = runner.contention_line(settings.load)
+    if warning:
+        print(warning, flush=True)
     render_table(results, title=title, caption=caption)
     return doc, results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m attnkit.bench``."""
-    parser = argparse.ArgumentParser(prog="python -m attnkit.bench",
-                                     description=__doc__.split("\n\n")[0])
+    """``python -m attnkit.bench``: the exit code (2 for bad options, 130 on Ctrl-C)."""
+    parser = argparse.ArgumentParser(prog="python -m attnkit.bench", description=DESCRIPTION)
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help or a bad option: argparse has said so
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        return run_from_args(args)
+    except KeyboardInterrupt:
+        print("attnkit bench: interrupted", file=sys.stderr)
+        return 130

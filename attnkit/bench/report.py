@@ -14,6 +14,13 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
                    "default_repeat": int, "memory": "auto"|"all"|"off",
                    "mem_budget_gib": float, "min_sample_s": float, "only": [str],
                    "malloc": {"mmap_threshold": int, "trim_threshold": int}|null},
+      "contention": {                                # competing load (runner.assess_load)
+          "cores": int|null, "threads": int, "load_avg_1m_before": float|null,
+          "matmul_float32_1_thread_gflops": float|null, "matmul_float32_gflops": float|null,
+          "thread_scaling": float|null,              # threads' matmul / one thread's
+          "others_cpu_cores": float|null,            # other processes' CPU during the run
+          "contended": bool, "reasons": [str]        # the line above the table says so
+      } | null,
       "cases": [ {name, batch, heads_q, heads_kv, len_q, len_kv, d_qk, d_v, causal, diagonal,
                   window, documents, prefix, alibi, softcap, relative_bias, extra, features,
                   visible_pairs, visible_fraction, note} ],
@@ -118,11 +125,13 @@ def _finite(v: Any) -> Any:
 
 def build_report(*, suite: str, created: str, wall_s: float, machine: Dict[str, Any],
                  matmul_gflops: Dict[str, float], settings: Dict[str, Any],
-                 cases: Sequence[Dict[str, Any]], results: Sequence[Result]) -> Dict[str, Any]:
+                 cases: Sequence[Dict[str, Any]], results: Sequence[Result],
+                 contention: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Assemble the JSON document (module docstring)."""
     return {"schema": SCHEMA, "suite": suite, "created": created, "wall_s": wall_s,
             "machine": machine, "matmul_gflops": matmul_gflops, "settings": settings,
-            "cases": list(cases), "results": [r.to_json() for r in results]}
+            "contention": contention, "cases": list(cases),
+            "results": [r.to_json() for r in results]}
 
 
 def validate(doc: Dict[str, Any]) -> List[str]:
@@ -135,6 +144,11 @@ def validate(doc: Dict[str, Any]) -> List[str]:
         problems.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
     machine = doc.get("machine", {})
     problems += [f"machine lacks {k!r}" for k in MACHINE_KEYS if k not in machine]
+    load = doc.get("contention")  # optional: files written before it existed lack it
+    if load is not None and not (isinstance(load, dict) and isinstance(load.get("contended"), bool)
+                                 and isinstance(load.get("reasons"), list)):
+        problems.append("contention must be null or have a bool 'contended' and a list "
+                        "'reasons'")
     mm = doc.get("matmul_gflops", {})
     problems += [f"matmul_gflops lacks {k!r}" for k in ("float32", "bfloat16") if k not in mm]
     for i, r in enumerate(doc.get("results", [])):
@@ -161,6 +175,35 @@ def write_json(doc: Dict[str, Any], path: str) -> None:
 
 
 # --------------------------------------------------------------------------- table
+
+
+def _fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3g} ms" if ms < 10 else f"{ms:.1f} ms"
+
+
+def progress_line(index: int, total: int, case: Any, results: Sequence[Result],
+                  elapsed_s: float) -> str:
+    """One line for a finished case (printed as the run goes when stdout is not a terminal):
+    attnkit's median per dtype and pass, and each peer's time ratio against it."""
+    groups: Dict[tuple, List[Result]] = {}
+    for r in results:
+        groups.setdefault((r.dtype, r.pass_), []).append(r)
+    parts = []
+    for (dtype, pass_), rs in groups.items():
+        subject = next((r for r in rs if r.peer == "attnkit"), None)
+        if subject is None:
+            text = "attnkit not run"
+        elif subject.status == "ok" and subject.median_s is not None:
+            text = f"attnkit {_fmt_ms(subject.median_s)}"
+        else:
+            text = f"attnkit {subject.status}"
+        peers = [f"{r.peer} {r.ratio_vs_attnkit:.2f}x" for r in rs
+                 if r.peer != "attnkit" and r.ratio_vs_attnkit is not None]
+        parts.append(f"{dtype} {pass_} {text}" + (f" ({', '.join(peers)})" if peers else ""))
+    name = getattr(case, "name", str(case))
+    return (f"[{index}/{total}] {name}: " + ("; ".join(parts) or "nothing run")
+            + f" [{elapsed_s:.0f} s]")
 
 
 def _fmt(v: Optional[float], spec: str, dash: str = "-") -> str:

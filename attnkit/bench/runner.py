@@ -51,6 +51,7 @@ class Settings:
     tune_malloc: bool = True
     malloc: Optional[Dict[str, int]] = None  # what tune_malloc() applied
     bandwidth: List[Dict[str, Any]] = field(default_factory=list)  # paged cases, see kv_bandwidth
+    load: Optional[Dict[str, Any]] = None  # what run() measured of competing load (assess_load)
 
     def rounds(self, case: Case) -> int:
         """Timed rounds for ``case``."""
@@ -148,6 +149,136 @@ def kv_bandwidth(case: Case, dtype: torch.dtype, peer: str, median_s: float,
             "memcpy_definition": "bytes copied / s by dst.copy_(src), 512 MiB float32 "
                                  "(traffic read+write = 2x)",
             "ratio_to_memcpy": gbps / copy_gbps if copy_gbps else None}
+
+
+# --------------------------------------------------------------------------- competing load
+
+
+@dataclass
+class CpuSample:
+    """CPU seconds used so far: by the whole machine (``busy_s``, steal time included) and by
+    this process with its children and living descendants (``ours_s``); Linux only."""
+
+    wall: float
+    busy_s: float
+    ours_s: float
+
+
+def usable_cpus() -> List[int]:
+    """The CPUs this process may run on (its affinity), else ``range(os.cpu_count())``."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def _proc_stat_times(pid: str) -> Optional[Tuple[int, List[int]]]:
+    """``(ppid, [utime, stime, cutime, cstime])`` in clock ticks from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), [int(x) for x in fields[11:15]]
+
+
+def cpu_sample() -> Optional[CpuSample]:
+    """A :class:`CpuSample` now, or None where ``/proc`` is missing (not Linux)."""
+    try:
+        tick = float(os.sysconf("SC_CLK_TCK"))
+        mine = {f"cpu{i}" for i in usable_cpus()}
+        busy = 0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name in mine:  # the CPUs this process may run on, not the whole host
+                    # user nice system idle iowait irq softirq steal (guest is inside user)
+                    busy += sum(int(ticks[i]) for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except (OSError, ValueError, AttributeError):
+        return None
+    me = str(os.getpid())
+    table = {p: t for p in pids if (t := _proc_stat_times(p)) is not None}
+    if me not in table:
+        return None
+    children: Dict[int, List[str]] = {}
+    for p, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    ours, todo = 0, [me]
+    while todo:  # this process and every living descendant (e.g. compile workers)
+        p = todo.pop()
+        ours += sum(table[p][1])
+        todo += children.get(int(p), [])
+    return CpuSample(time.perf_counter(), busy / tick, ours / tick)
+
+
+def others_cpu_cores(start: Optional[CpuSample], end: Optional[CpuSample]) -> Optional[float]:
+    """Cores' worth of CPU that other processes (and the hypervisor's steal) used between two
+    samples: ``(machine busy - ours) / wall``; None without samples."""
+    if start is None or end is None or end.wall <= start.wall:
+        return None
+    other = (end.busy_s - start.busy_s) - (end.ours_s - start.ours_s)
+    return max(0.0, other / (end.wall - start.wall))
+
+
+CONTENDED_SCALING = 0.6
+"""Matmul on ``threads`` threads below this fraction of ``threads`` x one thread's speed means
+the threads did not each get a core."""
+CONTENDED_OTHERS = 0.25
+"""Other processes using more than this fraction of the cores torch's threads need (beyond the
+cores torch leaves idle) means they competed with the timed runs."""
+
+
+def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float],
+                single_gflops: Optional[float], multi_gflops: Optional[float],
+                others_cores: Optional[float]) -> Dict[str, Any]:
+    """The ``contention`` entry of the report: the measurements, ``contended`` and the reasons.
+
+    Contended when (a) float32 matmul on ``threads`` threads ran below
+    :data:`CONTENDED_SCALING` of ``threads`` x its one-thread speed (measured back to back
+    before the timed runs), or (b) other processes used more than :data:`CONTENDED_OTHERS`
+    of the ``threads`` cores during the run, or (c) the 1-minute load average before the run
+    was at least the number of cores.
+    """
+    reasons: List[str] = []
+    scaling = None
+    if single_gflops and multi_gflops and threads >= 2:
+        scaling = multi_gflops / single_gflops
+        if scaling < CONTENDED_SCALING * threads:
+            reasons.append(f"float32 matmul on {threads} threads ran {scaling:.1f}x one "
+                           f"thread's speed (expected ~{threads}x)")
+    if others_cores is not None:
+        spare = max(0, (cores or threads) - threads)
+        if others_cores - spare > CONTENDED_OTHERS * threads:
+            reasons.append(f"other processes used {others_cores:.1f} of the {cores} cores "
+                           f"during the run")
+    if load_avg is not None and cores and load_avg >= cores:
+        reasons.append(f"load average {load_avg:.1f} on {cores} cores before the run")
+    return {"cores": cores, "threads": threads, "load_avg_1m_before": load_avg,
+            "matmul_float32_1_thread_gflops": single_gflops,
+            "matmul_float32_gflops": multi_gflops, "thread_scaling": scaling,
+            "others_cpu_cores": others_cores, "contended": bool(reasons), "reasons": reasons}
+
+
+def contention_line(load: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The one line printed above the table when the run was contended, else None."""
+    if not load or not load.get("contended"):
+        return None
+    return ("warning: another process was competing for the cores: "
+            + "; ".join(load["reasons"])
+            + ". Timings and matmul peaks are below this machine's usual; rerun on an idle "
+              "machine for comparable figures")
+
+
+def _single_thread_gflops() -> Optional[float]:
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return None
+    torch.set_num_threads(1)
+    try:
+        return matmul_gflops(torch.float32, reps=3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # Fixed glibc malloc thresholds for the timing process (see tune_malloc).
@@ -363,21 +494,46 @@ def count_steps(settings: Settings) -> int:
     return n
 
 
+CaseDone = Callable[[Case, List[Result]], None]
+
+
 def run(settings: Settings, *, step: Optional[Step] = None,
-        advance: Optional[Callable[[], None]] = None) -> Tuple[Dict[str, float], List[Result]]:
-    """Measure the matmul peaks, then run every case: ``(matmul_gflops, results)``."""
+        advance: Optional[Callable[[], None]] = None, case_done: Optional[CaseDone] = None,
+        ) -> Tuple[Dict[str, float], List[Result]]:
+    """Measure the matmul peaks, then run every case: ``(matmul_gflops, results)``.
+
+    ``case_done(case, its_results)`` is called as each case finishes. ``settings.load``
+    receives :func:`assess_load`'s record of competing load (load average before, matmul
+    thread scaling, other processes' CPU over the run).
+    """
     if settings.tune_malloc:
         settings.malloc = tune_malloc()
+    try:
+        load_avg: Optional[float] = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        load_avg = None
+    start = cpu_sample()
     if step:
         step("matmul peak (2048^3, float32 and bfloat16)")
     names = ("float32", "bfloat16")
     matmul = {name: matmul_gflops(dtype_of(name)) for name in names}
+    if step:
+        step("matmul float32 on one thread (thread scaling)")
+    single = _single_thread_gflops()
+    first_f32 = matmul["float32"]
     results: List[Result] = []
     for case in settings.cases:
-        results.extend(run_case(case, settings, matmul, step=step, advance=advance))
+        done = run_case(case, settings, matmul, step=step, advance=advance)
+        results.extend(done)
+        if case_done:
+            case_done(case, done)
     if step:
         step("matmul peak again (the peak is the better of the two)")
     again = {name: matmul_gflops(dtype_of(name)) for name in names}
+    settings.load = assess_load(cores=len(usable_cpus()), threads=torch.get_num_threads(),
+                                load_avg=load_avg, single_gflops=single,
+                                multi_gflops=first_f32, others_cores=others_cpu_cores(
+                                    start, cpu_sample()))
     if any(again[n] > matmul[n] for n in names):
         matmul = {n: max(matmul[n], again[n]) for n in names}
         for r in results:
