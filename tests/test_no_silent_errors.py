@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rand
+from conftest import fa_tolerance_ok, rand
 
 import attnkit
 from attnkit import score_mods
@@ -258,3 +258,84 @@ def test_score_mod_closure_over_a_non_leaf_reaches_its_leaf():
     (g,) = torch.autograd.grad(attnkit.attention(q, k, v, score_mod=make()).sum(), (w,))
     (want,) = torch.autograd.grad(attention_reference(q, k, v, score_mod=make()).sum(), (w,))
     torch.testing.assert_close(g, want)
+
+
+# ---- bfloat16 on the tiled executor: float32 scores, P and dP ------------------------------
+
+
+def _rmse(x, ref):
+    return (x.double() - ref).pow(2).mean().sqrt().item()
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}])
+def test_bf16_tiled_error_within_torch_sdpa_rule(kw):
+    """torch's own bf16 test rule: output and gradient RMSE against float64 within 1.2x of
+    torch SDPA's."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(2, 4, 256, 64, generator=g, dtype=torch.float64)
+    qr, kr, vr = (t.requires_grad_() for t in (q.clone(), k.clone(), v.clone()))
+    ref = attention_reference(qr, kr, vr, **kw)
+    rgrads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    sdpa = F.scaled_dot_product_attention(qb, kb, vb, is_causal=bool(kw))
+    sgrads = torch.autograd.grad(sdpa, (qb, kb, vb), dout.bfloat16())
+    for backend in ("tiled", "fused"):
+        out = attnkit.attention(qb, kb, vb, backend=backend, **kw)
+        grads = torch.autograd.grad(out, (qb, kb, vb), dout.bfloat16())
+        assert _rmse(out, ref) <= 1.2 * _rmse(sdpa, ref), backend
+        for a, s, r in zip(grads, sgrads, rgrads):
+            assert _rmse(a, r) <= 1.2 * _rmse(s, r), backend
+
+
+def test_bf16_tiled_gradient_is_zero_where_the_math_says_zero():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g).bfloat16().requires_grad_()
+               for _ in range(3))
+    out = attnkit.attention(q, k, v, causal=True, backend="tiled")
+    (dq,) = torch.autograd.grad(out, (q,), torch.randn_like(out))
+    assert dq[:, :, 0].float().abs().max() <= 1e-5  # row 0 sees one key: dS = 0 exactly
+    q1, k1, v1 = (torch.randn(1, 1, n, 32, generator=g).bfloat16() for n in (7, 1, 1))
+    bias = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True)
+    out = attnkit.attention(q1, k1, v1, bias=bias, backend="tiled")
+    (db,) = torch.autograd.grad(out, (bias,), torch.randn_like(out))
+    assert db.float().abs().max() <= 1e-5  # one key: the softmax is constant 1
+
+
+@pytest.mark.parametrize("learnable", ["bias", "score_mod"])
+def test_bf16_learnable_bias_gradients_keep_the_forward_softmax(learnable):
+    """auto runs the forward on the fused kernel and the backward on tiled: the backward's P
+    must be computed as the forward's (float32 scores), or dv loses digits with large
+    scores."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 128, 64, generator=g, dtype=torch.float64) * s
+               for s in (6.0, 6.0, 1.0))
+    b64 = torch.randn(1, 4, 128, 128, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, 4, 128, 64, generator=g, dtype=torch.float64)
+
+    def run(dtype, fn):
+        qq, kk, vv, bb = (t.to(dtype).requires_grad_() for t in (q, k, v, b64))
+        if learnable == "bias":
+            out = fn(qq, kk, vv, bias=bb)
+        else:
+            out = fn(qq, kk, vv, score_mod=lambda s_, b, h, i, j: s_ + bb[b, h, i, j])
+        return (out, *torch.autograd.grad(out, (qq, kk, vv, bb), dout.to(dtype)))
+
+    ref = run(torch.float64, attention_reference)
+    got = run(torch.bfloat16, attnkit.attention)
+
+    def plain(qq, kk, vv, bias=None, score_mod=None):  # the naive bf16 computation
+        s = (qq @ kk.transpose(-1, -2)) / 8.0
+        s = s + bias if bias is not None else score_mod(s, *_idx(s))
+        return torch.softmax(s.float(), -1).bfloat16() @ vv
+
+    base = run(torch.bfloat16, plain)
+    for i, (a, r, p) in enumerate(zip(got, ref, base)):
+        ok, err, berr = fa_tolerance_ok(a, r, p, mult=2.0 if i == 0 else 3.0)
+        assert ok, (i, err, berr)
+
+
+def _idx(s):
+    n, h, lq, lk = s.shape
+    return (torch.arange(n).view(-1, 1, 1, 1), torch.arange(h).view(1, -1, 1, 1),
+            torch.arange(lq).view(1, 1, -1, 1), torch.arange(lk).view(1, 1, 1, -1))

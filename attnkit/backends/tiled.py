@@ -95,26 +95,27 @@ def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
 class _Tiles:
     """Shared per-call state of the forward and the backward.
 
-    Matmuls run in ``mm`` dtype: bfloat16 for bfloat16 inputs (AMX; like FlashAttention, P
-    and dS are rounded to bfloat16 for their matmuls and scores come back rounded, which is
-    what the plain bfloat16 computation does too), otherwise the compute dtype. Softmax
-    statistics and accumulators are always in the compute dtype (float32 or float64).
+    Everything is computed in the compute dtype (float32 for half-precision inputs, as
+    FlashAttention's float32 accumulators and torch's CPU math do): scores, P, dP and dS stay
+    float32 through every matmul, so the backward's P matches the forward's LSE (whichever
+    executor computed it), exact zeros of the math stay zero, and bfloat16 errors stay at
+    the level of one final rounding. (torch's CPU bfloat16 matmul rounds its output to
+    bfloat16; no CPU kernel takes bfloat16 operands with a float32 result.)
     """
 
     def __init__(self, spec: AttentionSpec, plan: Plan):
         self.spec, self.plan = spec, plan
         cd = spec.compute_dtype
         self.cd = cd
-        self.mm = torch.bfloat16 if spec.q.dtype == torch.bfloat16 else cd
-        self.k = spec.k.to(self.mm)
-        self.v = spec.v.to(self.mm)
+        self.k = spec.k.to(cd)
+        self.v = spec.v.to(cd)
         self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
         self.q_scale = spec.scale / (spec.softcap or 1.0)
 
     def q_tile(self, q0: int, q1: int) -> Tensor:
-        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), matmul dtype. With a
+        """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), compute dtype. With a
         softcap the scale includes 1 / cap, so the score tile is ready for tanh."""
-        qt = (self.spec.q[:, :, q0:q1].to(self.cd) * self.q_scale).to(self.mm)
+        qt = self.spec.q[:, :, q0:q1].to(self.cd) * self.q_scale
         return qt.reshape(self.n, self.hkv, self.g * (q1 - q0), qt.shape[-1])
 
     def rows(self, x: Tensor, q0: int, q1: int) -> Tensor:
@@ -122,14 +123,10 @@ class _Tiles:
         t = x[:, :, q0:q1]
         return t.reshape(self.n, self.hkv, self.g * (q1 - q0), *t.shape[3:])
 
-    def mm_out(self, a: Tensor, b: Tensor) -> Tensor:
-        """a @ b in matmul dtype, result in compute dtype."""
-        if a.dtype != self.mm:
-            a = a.to(self.mm)
-        if b.dtype != self.mm:
-            b = b.to(self.mm)
-        out = torch.matmul(a, b)
-        return out if out.dtype == self.cd else out.to(self.cd)
+    @staticmethod
+    def mm_out(a: Tensor, b: Tensor) -> Tensor:
+        """a @ b in the compute dtype."""
+        return torch.matmul(a, b)
 
     def scores(self, qt: Tensor, kb: int, q0: int, q1: int, vis: Optional[Tensor],
                keep: bool = False):
