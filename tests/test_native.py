@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -95,6 +96,150 @@ def test_native_matches_the_oracle(name, lq, dtype):
                                       backend="native", **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     _check(out, lse, *_oracle(q, kp, vp, table, lens, **kw))
+
+
+def _band(lens, lq, lk, left, right, causal=False, diagonal="top_left"):
+    """(B, 1, Lq, Lk) bool: key j visible to row i iff i' - left <= j <= i' + right and
+    j < lens[b] (None: unbounded; causal caps right at 0), i' the aligned row position."""
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    vis = torch.zeros(len(lens), 1, lq, lk, dtype=torch.bool)
+    for b, n in enumerate(int(x) for x in lens):
+        for i in range(lq):
+            ip = i + n - lq if diagonal == "bottom_right" else i
+            lo = 0 if left is None else max(0, ip - left)  # Python ints: exact at any size
+            hi = n if right is None else min(n, ip + right + 1)
+            if lo < hi:
+                vis[b, 0, i, lo:hi] = True
+    return vis
+
+
+def _band_oracle(q, kp, vp, table, lens, scale, **band):
+    """The float64 oracle on the gathered cache with the band as a boolean mask."""
+    k, v = gather_kv(kp, vp, table, lens)
+    vis = _band(lens, q.shape[2], k.shape[2], **band)
+    return attention_reference(q, k, v, mask=vis, scale=scale, return_lse=True)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lens", [None, [300, 290, 200]], ids=["full", "seqlens"])
+def test_decode_with_a_window_mask_before_the_diagonal(lens, dtype, monkeypatch):
+    """A bottom-right sliding-window mask on a decoding step becomes window bounds that are
+    negative for the row (keys 283..299 of 300 for a top-left row 0): the kernel keeps them as
+    bounds, like the tiled executor and the oracle; a sequence too short for the window sees
+    nothing."""
+    calls = spy(monkeypatch, native, "paged_decode")
+    gen = torch.Generator().manual_seed(37)
+    q = rand(3, 8, 1, 64, gen=gen, dtype=dtype)
+    k = rand(3, 2, 300, 64, gen=gen, dtype=dtype)
+    v = rand(3, 2, 300, 64, gen=gen, dtype=dtype)
+    kw = dict(mask=attnkit.masks.sliding_window(16, 0, "bottom_right", q_len=1, kv_len=300))
+    if lens is not None:
+        kw["seqlens_kv"] = torch.tensor(lens)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    if lens is not None:
+        assert calls  # padded decoding rows run in the kernel with the window's bounds
+    tiled, tiled_lse = attnkit.attention(q, k, v, return_lse=True, backend="tiled", **kw)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
+    vis = visibility(build_spec(q, k, v, **kw))
+    assert vis.sum(-1).max() == 17 and vis[:, :, :, :283].sum() == 0
+    plain = None if dtype == torch.float32 else naive_attention(q, k, v, mask=vis)
+    # the kernel's LSE is float32 math; torch's kernels round half-precision scores
+    torch_lse_atol = 2e-5 if dtype == torch.float32 else 1e-2
+    _check(out, lse, ref, ref_lse, plain, lse_atol=2e-5 if calls else torch_lse_atol)
+    _check(tiled, tiled_lse, ref, ref_lse, plain, lse_atol=torch_lse_atol)
+    if dtype == torch.float32:
+        assert (out - tiled).abs().max() < 1e-6
+
+
+@needs_native
+@pytest.mark.parametrize("lq", [1, 3], ids=["decode", "lq3"])
+@pytest.mark.parametrize("kw", [
+    dict(window=(16, 0)),
+    dict(window=(16, 4), causal=False),
+    dict(window=(2, None), causal=False, diagonal="top_left"),
+    dict(window=(0, 20), causal=False, diagonal="top_left"),
+    dict(window=(2 ** 62, 2 ** 62), causal=False),
+    dict(window=(2 ** 62, 0)),
+], ids=["last16", "two_sided", "top_left_left", "top_left_right", "huge", "huge_causal"])
+def test_paged_windows_match_tiled_and_the_oracle(kw, lq):
+    """paged_attention_blocks with a window over 300 cached keys: the kernel on the pages,
+    the tiled executor on the gathered cache and the oracle agree (bounds up to 2**62)."""
+    gen = torch.Generator().manual_seed(38 + lq)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=lq, lengths=[300, 290, 17], d=64, dv=32)
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
+                                      backend="native", **kw)
+    tiled, tiled_lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
+                                              backend="tiled", **kw)
+    ref, ref_lse, _ = _oracle(q, kp, vp, table, lens, **kw)
+    _check(out, lse, ref, ref_lse, None)
+    _check(tiled, tiled_lse, ref, ref_lse, None)
+    assert (out - tiled).abs().max() < 1e-6
+
+
+@needs_native
+@pytest.mark.parametrize("band", [
+    dict(left=-283, right=299),                 # the absorbed bottom-right window, top-left
+    dict(left=-5, right=10),
+    dict(left=3, right=-2),                     # before the diagonal
+    dict(left=-10, right=-5, causal=True),      # causal keeps the tighter right bound
+    dict(left=-4, right=None),
+    dict(left=None, right=-3, diagonal="bottom_right"),
+    dict(left=4, right=7, causal=True, diagonal="bottom_right"),
+    dict(left=-(2 ** 62), right=2 ** 62),       # sees nothing
+    dict(left=2 ** 62, right=-(2 ** 62)),       # sees nothing
+    dict(left=2 ** 62, right=2 ** 62),          # sees everything
+    dict(left=-(2 ** 80), right=2 ** 80, diagonal="bottom_right"),
+    dict(left=2 ** 80, right=None, causal=True, diagonal="bottom_right"),
+])
+def test_kernel_window_bounds_of_any_sign(band):
+    """native.paged_decode's window bounds as they are: negative ones shift the window off
+    the diagonal, huge ones clamp without overflow, None is unbounded."""
+    gen = torch.Generator().manual_seed(39)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=3, lengths=[300, 290, 17, 3], d=32,
+                                            dv=16)
+    opts = dict(causal=band.get("causal", False), diagonal=band.get("diagonal", "top_left"))
+    for splits in (1, 3):
+        out, lse = native.paged_decode(q, kp, vp, table, lens, scale=0.25, splits=splits,
+                                       window=(band["left"], band["right"]), **opts)
+        ref, ref_lse = _band_oracle(q, kp, vp, table, lens, 0.25, left=band["left"],
+                                    right=band["right"], **opts)
+        _check(out, lse, ref, ref_lse, None)
+
+
+@needs_native
+def test_random_window_bounds_match_the_oracle():
+    """Many (left, right) pairs, negative, None and huge, on random problems (rows, diagonal,
+    causal, splits), against the oracle with the band as a mask."""
+    rng = random.Random(40)
+    gen = torch.Generator().manual_seed(40)
+
+    def bound():
+        kind = rng.random()
+        if kind < 0.15:
+            return None
+        if kind < 0.25:
+            return rng.choice([-1, 1]) * rng.choice([2 ** 62, 2 ** 63 - 1, 2 ** 90])
+        return rng.randint(-70, 70)
+
+    for trial in range(150):
+        lq = rng.randint(1, 4)
+        lens = [rng.randint(lq, 90) for _ in range(rng.randint(1, 3))]
+        q, kp, vp, table, lens_t = _paged_problem(gen, lq=lq, lengths=lens, hq=4, hkv=2,
+                                                  d=16, dv=16, page=rng.choice([4, 16, 128]))
+        left, right = bound(), bound()
+        opts = dict(causal=rng.random() < 0.3,
+                    diagonal=rng.choice(["top_left", "bottom_right"]))
+        out, lse = native.paged_decode(q, kp, vp, table, lens_t, scale=0.3,
+                                       splits=rng.randint(1, 4), window=(left, right), **opts)
+        ref, ref_lse = _band_oracle(q, kp, vp, table, lens_t, 0.3, left=left, right=right,
+                                    **opts)
+        try:
+            _check(out, lse, ref, ref_lse, None)
+        except AssertionError as exc:
+            raise AssertionError(f"trial {trial}: lens={lens}, lq={lq}, window=({left}, "
+                                 f"{right}), {opts}") from exc
 
 
 @needs_native

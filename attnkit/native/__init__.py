@@ -43,7 +43,7 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c")
 _HEADERS = (_HERE / "vecmath.h",)
-_ABI = 4  # AK_ABI in decode.c
+_ABI = 5  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -147,7 +147,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
             return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, p, i64, i64, i32,
-                                       i32, i32, i64, i64, f32, p, p, p, i32]
+                                       i32, i32, i32, i64, i32, i64, f32, p, p, p, i32]
         lib.attnkit_decode.restype = i32
         lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
                                        ctypes.c_uint32, p]
@@ -233,6 +233,15 @@ def _splits(batch: int, keys: int, threads: int) -> int:
     return max(1, min(want, keys // 1024))
 
 
+_BOUND = 2 ** 62  # window bounds clamp here: every key position and |i'| lie far below it
+
+
+def _bound(x: Optional[int]) -> int:
+    """A window bound as the kernel's int64 (0 for None, which the flag marks unbounded);
+    beyond +-2**62 every bound means the same as +-2**62."""
+    return 0 if x is None else max(-_BOUND, min(_BOUND, int(x)))
+
+
 def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                  seqlens: Tensor, *, scale: float, causal: bool = True,
                  diagonal: str = "bottom_right",
@@ -245,12 +254,15 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     The caller has validated the shapes and the block table (every page a sequence uses lies
     in ``[0, num_pages)``, ``Lq <= seqlens[b] <= max_pages * page_size``) and checked
     :func:`decode_reasons`. Query row ``i`` of sequence ``b`` sits at position
-    ``i + seqlens[b] - Lq`` (bottom_right) or ``i`` (top_left) for ``causal``, ``window`` and
-    ALiBi; ``alibi_slopes`` is ``(Hq,)``, ``(1, Hq)`` or ``(B, Hq)``. ``splits`` (key ranges
-    per sequence, merged by LSE) and ``threads`` default to :func:`_splits` and
-    ``torch.get_num_threads()``. ``starts (B,)`` shifts where each sequence begins in its
-    block-table row (packed sequences in one long page). Returns ``out (B, Hq, Lq, Dv)`` and
-    ``lse (B, Hq, Lq)``, both float32.
+    ``i' = i + seqlens[b] - Lq`` (bottom_right) or ``i' = i`` (top_left) for ``causal``,
+    ``window`` and ALiBi. ``window = (left, right)`` keeps key ``j`` iff
+    ``i' - left <= j <= i' + right``; either bound may be any int, negative ones included (a
+    window that lies wholly before or after the diagonal), and None leaves that side
+    unbounded; ``causal`` caps ``right`` at 0. ``alibi_slopes`` is ``(Hq,)``, ``(1, Hq)`` or
+    ``(B, Hq)``. ``splits`` (key ranges per sequence, merged by LSE) and ``threads`` default
+    to :func:`_splits` and ``torch.get_num_threads()``. ``starts (B,)`` shifts where each
+    sequence begins in its block-table row (packed sequences in one long page). Returns
+    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, both float32.
     """
     lib = _lib()
     if lib is None:
@@ -282,8 +294,7 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
         slopes = slopes.contiguous()
-    left = -1 if window is None or window[0] is None else int(window[0])
-    right = -1 if window is None or window[1] is None else int(window[1])
+    left, right = (None, None) if window is None else window
     out = torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32)
     lse = torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
     rc = lib.attnkit_decode(
@@ -291,7 +302,8 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
         k_pages.data_ptr(), v_pages.data_ptr(), kst.data_ptr(), vst.data_ptr(),
         bt.data_ptr(), width, lens.data_ptr(), first.data_ptr() if first is not None else None,
         dims.data_ptr(), splits, per_split,
-        _DTYPES[k_pages.dtype], int(causal), int(diagonal == "bottom_right"), left, right,
+        _DTYPES[k_pages.dtype], int(causal), int(diagonal == "bottom_right"),
+        left is not None, _bound(left), right is not None, _bound(right),
         float(softcap) if softcap is not None else 0.0,
         slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),
         threads)

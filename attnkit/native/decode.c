@@ -21,7 +21,7 @@
 
 #include "vecmath.h"
 
-#define AK_ABI 4
+#define AK_ABI 5
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
@@ -50,7 +50,8 @@ typedef struct {
     int64_t splits, keys_per_split;
     int dtype;
     int causal, bottom_right;
-    int64_t left, right;       /* window sizes, -1 = unbounded */
+    int has_left, has_right;   /* 0: that side of the window is unbounded */
+    int64_t left, right;       /* visible iff i' - left <= j <= i' + right (any sign) */
     float softcap;             /* <= 0: none */
     const float *alibi;        /* NULL or (B, Hq) slopes */
     float *out;                /* (splits, B, Hq, Lq, Dv) */
@@ -278,6 +279,19 @@ static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const 
     else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc);
 }
 
+/* Visible keys [*a, *e) of a query at aligned position ip among L keys: ip - left <= j and
+ * j <= ip + right, a side without its flag unbounded. ip and L are small (|ip| <= L + Lq) but
+ * the bounds may be anywhere in int64, so this compares them with small numbers and forms
+ * ip - left or ip + right + 1 only where they lie strictly inside (0, L). */
+AK_INLINE void visible_range(int64_t ip, int64_t L, int has_left, int64_t left, int has_right,
+                             int64_t right, int64_t *a, int64_t *e) {
+    int64_t lo = 0, hi = L;
+    if (has_left && left < ip) lo = left <= ip - L ? L : ip - left;
+    if (has_right && right < L - 1 - ip) hi = right < -ip ? 0 : ip + right + 1;
+    *a = lo;
+    *e = hi < lo ? lo : hi;
+}
+
 AK_INLINE float hmax(ak_vf v) {
     float m = v[0];
     for (int i = 1; i < AK_W; ++i) m = v[i] > m ? v[i] : m;
@@ -310,15 +324,15 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const float *qb = job->q + b * R * D; /* row r = hq * Lq + i */
     const uint16_t *qhb = job->qh ? job->qh + b * R * D : NULL;
 
+    /* causal: j <= i', i.e. a right bound of at most 0 */
+    const int has_right = job->has_right || job->causal;
+    const int64_t right = job->causal && (!job->has_right || job->right > 0) ? 0 : job->right;
     int64_t klo = L, khi = 0; /* union of the rows' visible key ranges */
     for (int64_t r = 0; r < R; ++r) {
         const int64_t hq = r / Lq, i = r % Lq;
         ipos[r] = job->bottom_right ? i + L - Lq : i;
-        int64_t a = 0, e = L; /* visible keys: [a, e) */
-        if (job->left >= 0 && ipos[r] - job->left > a) a = ipos[r] - job->left;
-        const int64_t right = job->causal ? 0 : job->right;
-        if (right >= 0 && ipos[r] + right + 1 < e) e = ipos[r] + right + 1;
-        if (e < a) e = a;
+        int64_t a, e; /* visible keys: [a, e) */
+        visible_range(ipos[r], L, job->has_left, job->left, has_right, right, &a, &e);
         lo[r] = a;
         hi[r] = e;
         if (a < e && a < klo) klo = a;
@@ -452,7 +466,8 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
                    const int64_t *starts,
                    const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P */
                    int64_t splits, int64_t keys_per_split, int dtype,
-                   int causal, int bottom_right, int64_t left, int64_t right,
+                   int causal, int bottom_right, int has_left, int64_t left,
+                   int has_right, int64_t right,
                    float softcap, const float *alibi, float *out, float *lse,
                    int nthreads) {
     ak_job job = {
@@ -464,7 +479,8 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
         .B = dims[0], .Hq = dims[1], .Hkv = dims[2], .Lq = dims[3],
         .D = dims[4], .Dv = dims[5], .P = dims[6],
         .splits = splits, .keys_per_split = keys_per_split, .dtype = dtype,
-        .causal = causal, .bottom_right = bottom_right, .left = left, .right = right,
+        .causal = causal, .bottom_right = bottom_right,
+        .has_left = has_left, .has_right = has_right, .left = left, .right = right,
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = dims[0] * splits, .next = 0,
     };
