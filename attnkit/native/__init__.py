@@ -262,7 +262,9 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     ``(B, Hq)``. ``splits`` (key ranges per sequence, merged by LSE) and ``threads`` default
     to :func:`_splits` and ``torch.get_num_threads()``. ``starts (B,)`` shifts where each
     sequence begins in its block-table row (packed sequences in one long page). Returns
-    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, both float32.
+    ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, both float32. A row with a NaN or +inf
+    score among the keys it sees gives NaN out and LSE; a row that sees no key (or only -inf
+    scores) gives 0 and ``-inf``; keys a row does not see never reach it, whatever they hold.
     """
     lib = _lib()
     if lib is None:

@@ -12,6 +12,13 @@
  * the P V accumulation are float32 (the softmax 16 lanes at a time).
  * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
  * (flash-decoding) when there is more than one.
+ *
+ * Non-finite values follow the IEEE arithmetic of softmax(s) = exp(s - max) / sum over a row's
+ * visible keys, as torch's math attention does: a NaN or +inf score among them makes the row's
+ * output and log-sum-exp NaN (NaN, or inf - inf), a -inf score has weight 0, NaN or inf in a
+ * value row propagates through its weight. Keys a row does not see (masked, past its length
+ * or window, page padding) never reach its sums, whatever they hold. A row that sees no key
+ * (or only -inf scores) gives 0 and log-sum-exp -inf.
  */
 #include <math.h>
 #include <pthread.h>
@@ -292,6 +299,19 @@ AK_INLINE void visible_range(int64_t ip, int64_t L, int has_left, int64_t left, 
     *e = hi < lo ? lo : hi;
 }
 
+/* P V over the key range [t0, t1) of a chunk only, row by row: for chunks that some row of a
+ * kv head sees only in part, so that the keys it does not see (weight 0) never multiply
+ * into its sums (0 * NaN would be NaN) */
+static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1, int dtype,
+                         const float *p, int64_t Dv, float *acc) {
+    if (t1 <= t0) return;
+    v += t0 * vstride;
+    p += t0;
+    if (dtype == AK_BF16) pv1(v, vstride, t1 - t0, AK_BF16, p, Dv, acc);
+    else if (dtype == AK_F16) pv1(v, vstride, t1 - t0, AK_F16, p, Dv, acc);
+    else pv1(v, vstride, t1 - t0, AK_F32, p, Dv, acc);
+}
+
 AK_INLINE float hmax(ak_vf v) {
     float m = v[0];
     for (int i = 1; i < AK_W; ++i) m = v[i] > m ? v[i] : m;
@@ -368,10 +388,15 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         for (int64_t r = 0; r < R; ++r) {
             float *sr = sc + r * AK_CHUNK;
+            if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
+                memset(sr, 0, AK_CHUNK * sizeof(float));
+                continue;
+            }
             /* visible t: [a, e) within the chunk */
             const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
             const float ip = (float)(ipos[r] - c0), sl = slope[r];
             ak_vf mxv = ak_splat(-INFINITY);
+            ak_vi bad = {0}; /* visible lanes holding NaN or +inf */
             for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
                 ak_vf v;
                 memcpy(&v, sr + t0, sizeof v);
@@ -382,8 +407,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     v -= sl * ak_select(dist < 0.0f, -dist, dist);
                 }
                 v = ak_select((t >= a) & (t < e), v, ak_splat(-INFINITY));
+                bad |= ~(v < ak_splat(INFINITY));
                 mxv = ak_select(v > mxv, v, mxv);
                 memcpy(sr + t0, &v, sizeof v);
+            }
+            if (ak_any(bad)) { /* softmax over the row is NaN: mark it, skip its keys */
+                m[r] = NAN;
+                memset(sr, 0, AK_CHUNK * sizeof(float));
+                continue;
             }
             const float mx = hmax(mxv);
             if (mx == -INFINITY) { /* nothing visible in this chunk for this row */
@@ -407,18 +438,35 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             l[r] = l[r] * alpha + hsum(sumv);
             m[r] = mnew;
         }
-        /* P V, one kv head at a time */
-        for (int64_t h = 0; h < Hkv; ++h)
-            pv_head(vbase + h * job->vs_head * esz, job->vs_tok * esz, n, dtype,
-                    sc + h * rows_per_head * AK_CHUNK, AK_CHUNK, Dv, rows_per_head,
-                    acc + h * rows_per_head * Dv);
+        /* P V, one kv head at a time; all its rows together where they all see the whole
+         * chunk (always when decoding one row), else each row over what it sees */
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
+            const char *vh = vbase + h * job->vs_head * esz;
+            int whole = 1;
+            for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
+            if (whole) {
+                pv_head(vh, job->vs_tok * esz, n, dtype, sc + r0 * AK_CHUNK, AK_CHUNK, Dv,
+                        rows_per_head, acc + r0 * Dv);
+                continue;
+            }
+            for (int64_t r = r0; r < r1; ++r) {
+                const int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
+                const int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
+                pv_row_range(vh, job->vs_tok * esz, t0, t1, dtype, sc + r * AK_CHUNK, Dv,
+                             acc + r * Dv);
+            }
+        }
         c0 = c1;
     }
 
     for (int64_t r = 0; r < R; ++r) {
         const int64_t o = (s * job->B + b) * R + r; /* (split, b, hq, i) */
         float *dst = job->out + o * Dv;
-        if (l[r] > 0.0f) {
+        if (isnan(m[r])) {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = NAN;
+            job->lse[o] = NAN;
+        } else if (l[r] > 0.0f) {
             const float inv = 1.0f / l[r];
             for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[r * Dv + d] * inv;
             job->lse[o] = m[r] + logf(l[r]);

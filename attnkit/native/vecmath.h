@@ -7,6 +7,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__GNUC__) && !defined(__clang__)
+/* 64-byte vectors on a target without AVX-512 (the portable build): GCC notes that passing
+ * them would change the ABI; every function taking them here is inlined, so none is passed */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 #define AK_W 16 /* floats per vector */
 #define AK_INLINE static inline __attribute__((always_inline))
 
@@ -20,6 +26,13 @@ AK_INLINE ak_vf ak_splat(float x) {
 /* lanes of a where mask m is set (all bits), else b */
 AK_INLINE ak_vf ak_select(ak_vi m, ak_vf a, ak_vf b) {
     return (ak_vf)(((ak_vi)a & m) | ((ak_vi)b & ~m));
+}
+
+/* whether any lane of the mask m is set */
+AK_INLINE int ak_any(ak_vi m) {
+    int32_t x = 0;
+    for (int i = 0; i < AK_W; ++i) x |= m[i];
+    return x != 0;
 }
 
 /* exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with
