@@ -339,3 +339,30 @@ def _idx(s):
     n, h, lq, lk = s.shape
     return (torch.arange(n).view(-1, 1, 1, 1), torch.arange(h).view(1, -1, 1, 1),
             torch.arange(lq).view(1, 1, -1, 1), torch.arange(lk).view(1, 1, 1, -1))
+
+
+# ---- padding is invisible on every executor, NaN in it included --------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "tiled"])
+@pytest.mark.parametrize("where", ["k", "v", "q", "all"])
+def test_nan_in_padding_never_reaches_real_rows(backend, where):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 4, n, 16, generator=g, dtype=torch.float64) for n in (40, 50, 50))
+    sq, sk = torch.tensor([40, 17, 33]), torch.tensor([50, 21, 9])
+    clean = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*clean, seqlens_q=sq, seqlens_kv=sk, causal=True,
+                              diagonal="bottom_right")
+    dout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    rgrads = torch.autograd.grad(ref, clean, dout)
+    dirty = [t.clone() for t in (q, k, v)]
+    for name, t, lens in (("q", dirty[0], sq), ("k", dirty[1], sk), ("v", dirty[2], sk)):
+        if where in (name, "all"):
+            for b, n in enumerate(lens.tolist()):
+                t[b, :, n:] = float("nan")
+    dirty = [t.requires_grad_() for t in dirty]
+    out = attnkit.attention(*dirty, seqlens_q=sq, seqlens_kv=sk, causal=True,
+                            diagonal="bottom_right", backend=backend)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for a, b in zip(torch.autograd.grad(out, dirty, dout), rgrads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

@@ -107,15 +107,16 @@ class _Tiles:
         self.spec, self.plan = spec, plan
         cd = spec.compute_dtype
         self.cd = cd
-        self.k = spec.k.to(cd)
-        self.v = spec.v.to(cd)
+        self.q = _without_padding(spec.q.to(cd), spec.seqlens_q)
+        self.k = _without_padding(spec.k.to(cd), spec.seqlens_kv)
+        self.v = _without_padding(spec.v.to(cd), spec.seqlens_kv)
         self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
         self.q_scale = spec.scale / (spec.softcap or 1.0)
 
     def q_tile(self, q0: int, q1: int) -> Tensor:
         """Scaled query tile in the grouped layout (N, Hkv, G * bq, D), compute dtype. With a
         softcap the scale includes 1 / cap, so the score tile is ready for tanh."""
-        qt = self.spec.q[:, :, q0:q1].to(self.cd) * self.q_scale
+        qt = self.q[:, :, q0:q1] * self.q_scale
         return qt.reshape(self.n, self.hkv, self.g * (q1 - q0), qt.shape[-1])
 
     def rows(self, x: Tensor, q0: int, q1: int) -> Tensor:
@@ -146,6 +147,15 @@ class _Tiles:
             s = s.masked_fill_(~vis, float("-inf")) if own else s.masked_fill(~vis, float("-inf"))
             own = True
         return s, raw, pre_mod, own
+
+
+def _without_padding(x: Tensor, seqlens: Optional[Tensor]) -> Tensor:
+    """``x (N, H, L, D)`` with the rows at or beyond ``seqlens[b]`` zeroed: padding is
+    invisible, so whatever it holds (NaN included) must not reach a product (0 * NaN)."""
+    if seqlens is None or bool((seqlens >= x.shape[2]).all()):
+        return x
+    pad = torch.arange(x.shape[2], device=x.device).view(1, -1) >= seqlens.view(-1, 1)
+    return x.masked_fill(pad[:, None, :, None], 0)
 
 
 def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
