@@ -665,3 +665,16 @@ def test_distributed_cli_tiny(tmp_path, monkeypatch, capsys) -> None:
     assert set(doc["peak_mib"]) == {str(n) for n in doc["settings"]["mem_lengths"]}
     out = capsys.readouterr().out
     assert "zigzag_causal" in out and "peak memory per rank" in out
+
+
+def test_distributed_ranks_leave_ctrl_c_to_the_parent() -> None:
+    import signal
+
+    from attnkit.bench import distributed
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        distributed._ignore_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

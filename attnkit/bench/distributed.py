@@ -20,6 +20,7 @@ Not part of any suite: it spawns processes and takes a minute or two on 2 cores.
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -72,11 +73,18 @@ def _local_call(s: DistSettings, rank: int, length: int, layout: str, causal: bo
     return call
 
 
+def _ignore_ctrl_c() -> None:
+    """In a rank: leave Ctrl-C to the parent (which stops the run and exits quietly; the
+    daemonic ranks end with it) instead of printing one traceback per rank."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker(rank: int, s: DistSettings, tmp: str) -> None:
     import torch.distributed as dist
 
     from .memory import measure_call
 
+    _ignore_ctrl_c()
     torch.set_num_threads(1)
     res: Dict[str, Any] = {"rank": rank}
     try:
