@@ -366,3 +366,47 @@ def test_nan_in_padding_never_reaches_real_rows(backend, where):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for a, b in zip(torch.autograd.grad(out, dirty, dout), rgrads):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+# ---- NaN and inf in q/k/v propagate like the math --------------------------------------------
+
+
+def _poison(q, k, v, case):
+    q, k, v = q.clone(), k.clone(), v.clone()
+    if case == "nan_q_row":
+        q[0, 1, q.shape[2] // 2] = float("nan")
+    elif case == "inf_q":
+        q[0, 0, 0, 3] = float("inf")
+    elif case == "nan_k_row":
+        k[0, 0, k.shape[2] // 2] = float("nan")
+    elif case == "inf_k":
+        k[0, 0, k.shape[2] // 3, 0] = float("inf")
+    elif case == "neg_inf_k":
+        k[0, 1, 1] = float("-inf")
+    elif case == "nan_v":
+        v[0, 0, v.shape[2] // 2, 1] = float("nan")
+    return q, k, v
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq,lk", [(1, 300), (3, 40), (8, 8), (64, 64), (70, 200)])
+@pytest.mark.parametrize("case", ["nan_q_row", "inf_q", "nan_k_row", "inf_k", "neg_inf_k",
+                                  "nan_v"])
+def test_nonfinite_inputs_propagate_like_the_math(backend, dtype, lq, lk, case):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=g).to(dtype) for n in (lq, lk, lk))
+    q, k, v = _poison(q, k, v, case)
+    for kw in ({}, {"causal": True, "diagonal": "bottom_right"}):
+        # the float64 math on the same values (torch's math SDPA where there is no mask; a
+        # masked pair is absent, so a NaN score there does not reach the row)
+        want = attention_reference(q, k, v, **kw)
+        if not kw:
+            torch.testing.assert_close(want, F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double()), equal_nan=True)
+        out = attnkit.attention(q, k, v, backend=backend, **kw)
+        assert torch.equal(torch.isnan(out), torch.isnan(want)), (kw, torch.isnan(out).sum(),
+                                                                  torch.isnan(want).sum())
+        fin = ~torch.isnan(want)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double()[fin], want[fin], atol=tol, rtol=tol)

@@ -26,6 +26,7 @@ This is a private torch API, so it is used only behind a version check; where it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
@@ -649,10 +650,30 @@ def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
 
 
 def _result(spec: AttentionSpec, out: Tensor, lse: Tensor) -> tiled.ForwardResult:
-    """The forward's result: sinks folded into out/LSE, no max scores (the kernel has none)."""
+    """The forward's result: NaN where the math gives NaN, sinks folded into out/LSE, no max
+    scores (the kernel has none)."""
+    out, lse = _propagate_nonfinite(spec, out, lse)
     if spec.sinks is not None:
         out, lse = _add_sinks(spec, out, lse)
     return tiled.ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+
+
+def _propagate_nonfinite(spec: AttentionSpec, out: Tensor, lse: Tensor
+                         ) -> Tuple[Tensor, Tensor]:
+    """torch's fused kernel hides some NaN: a row with a +inf score (which is inf - inf in the
+    softmax) comes back with lse +inf and a finite output, and on short key ranges a NaN query
+    row comes back as 0. Give those rows NaN, as the math does. A row with no visible key
+    stays 0 (lse -inf), whatever its query holds."""
+    plus = torch.isposinf(lse)
+    if bool(plus.any()):
+        out = out.masked_fill(plus.unsqueeze(-1), float("nan"))
+    if math.isfinite(float(spec.q.sum())):  # cheap: a single NaN/inf makes the sum non-finite
+        return out, lse
+    bad = torch.isnan(spec.q).any(-1) & ~torch.isneginf(lse)
+    if bool(bad.any()):
+        out = out.masked_fill(bad.unsqueeze(-1), float("nan"))
+        lse = lse.masked_fill(bad & ~plus, float("nan"))
+    return out, lse
 
 
 def _no_max(lse: Tensor) -> Tensor:
