@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -490,7 +492,9 @@ def test_the_cache_and_paged_attention_use_native(monkeypatch):
 
 def test_disabled_native_falls_back(fresh_native):
     fresh_native.setenv("ATTNKIT_NATIVE", "0")
-    assert not native.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # chosen by the user: no warning
+        assert not native.available()
     assert "ATTNKIT_NATIVE=0" in native.unavailable_reason()
     assert "unavailable" in native.describe()
     gen = torch.Generator().manual_seed(27)
@@ -501,36 +505,99 @@ def test_disabled_native_falls_back(fresh_native):
     _check(out, lse, *_oracle(q, kp, vp, table, lens), lse_atol=1e-2)
 
 
+def _one_warning(record) -> str:
+    """The single NativeKernelWarning among the recorded warnings, as text."""
+    ours = [w for w in record if issubclass(w.category, native.NativeKernelWarning)]
+    assert len(ours) == 1, [str(w.message) for w in record]
+    assert issubclass(ours[0].category, RuntimeWarning)
+    assert ours[0].filename == __file__  # points at the caller, not at attnkit's insides
+    return str(ours[0].message)
+
+
 def test_missing_or_failing_compiler_is_a_reason_not_a_crash(fresh_native, tmp_path):
     fresh_native.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
     fresh_native.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert not native.available()
+    gen = torch.Generator().manual_seed(28)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = paged_attention_blocks(q, kp, vp, table, lens)  # on the torch path
+        out = paged_attention_blocks(q, kp, vp, table, lens)
+        assert not native.available()
+    message = _one_warning(record)  # one, however often the kernels are asked for
     assert "no C compiler" in native.unavailable_reason()
+    assert native.unavailable_reason() in message
+    assert "slower" in message and "paged" in message and "ATTNKIT_NATIVE=0" in message
+    assert (out.double() - _oracle(q, kp, vp, table, lens)[0]).abs().max() < 2e-6
     native._reset()
     fake = tmp_path / "failing-cc"
     fake.write_text("#!/bin/sh\necho 'error: this compiler always fails' >&2\nexit 3\n")
     fake.chmod(0o755)
     fresh_native.setenv("CC", str(fake))
-    assert not native.available()
+    with pytest.warns(native.NativeKernelWarning, match="always fails.*slower"):
+        assert not native.available()
     reason = native.unavailable_reason()
     assert "building the native decode kernel failed" in reason and "always fails" in reason
-    gen = torch.Generator().manual_seed(28)
-    q, kp, vp, table, lens = _paged_problem(gen, lq=1)
     out = paged_attention_blocks(q, kp, vp, table, lens)  # still answers, on the torch path
     assert (out.double() - _oracle(q, kp, vp, table, lens)[0]).abs().max() < 2e-6
 
 
-def test_unwritable_cache_folder_is_a_reason(fresh_native, tmp_path):
-    if os.geteuid() == 0:  # root writes anywhere: stand a file where the folder should be
-        blocker = tmp_path / "not-a-folder"
+def _unwritable(tmp_path, name):
+    """A folder path nobody can create or write in (root writes anywhere: under a file)."""
+    if os.geteuid() == 0:
+        blocker = tmp_path / f"{name}-not-a-folder"
         blocker.write_text("")
-        fresh_native.setenv("ATTNKIT_CACHE_DIR", str(blocker / "attnkit"))
-    else:
-        locked = tmp_path / "locked"
-        locked.mkdir(mode=0o500)
-        fresh_native.setenv("ATTNKIT_CACHE_DIR", str(locked))
-    assert not native.available()
-    assert "cache folder" in native.unavailable_reason()
+        return blocker / "attnkit"
+    locked = tmp_path / name
+    locked.mkdir(mode=0o500)
+    return locked
+
+
+@needs_native
+def test_unwritable_cache_folder_falls_back_to_a_temporary_folder(fresh_native, tmp_path):
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(_unwritable(tmp_path, "locked")))
+    fresh_native.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the kernels work: nothing to warn about
+        assert native.available(), native.unavailable_reason()
+    info = native.build_info()
+    folder = tmp_path / "tmp" / f"attnkit-{os.getuid()}"
+    assert info["folder"] == str(folder) and info["path"].startswith(str(folder))
+    assert "locked" in info["cache_folder_unusable"]
+    assert str(folder) in native.describe()
+    assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
+    gen = torch.Generator().manual_seed(41)
+    q, kp, vp, table, lens = _paged_problem(gen, lq=1)
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="native")
+    _check(out, lse, *_oracle(q, kp, vp, table, lens))
+    native._reset()  # the next process finds it there
+    assert native.available() and native.build_info()["cached"]
+    assert native.build_info()["path"] == info["path"]
+
+
+def test_no_writable_folder_is_a_reason_and_a_warning(fresh_native, tmp_path):
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(_unwritable(tmp_path, "locked")))
+    fresh_native.setattr(tempfile, "tempdir", str(_unwritable(tmp_path, "tmp")))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert not native.available()
+    reason = native.unavailable_reason()
+    assert "cache folder" in reason and "temporary folder" in reason
+    assert reason in _one_warning(record)
+
+
+def test_a_temporary_folder_others_can_write_is_not_used(fresh_native, tmp_path):
+    """A library in a shared temporary folder that another user could have put there is
+    neither loaded nor built on."""
+    fresh_native.setenv("ATTNKIT_CACHE_DIR", str(_unwritable(tmp_path, "locked")))
+    fresh_native.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"attnkit-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(native.NativeKernelWarning, match="others may write"):
+        assert not native.available()
+    assert list(shared.iterdir()) == []
 
 
 @needs_native

@@ -14,10 +14,12 @@ times faster than the same rounds in torch integer ops. ``softcap.c`` is the til
 
 All are built on first use, into one library, with the system C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into a cache folder (``$ATTNKIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``), keyed by the sources, the compiler, the
+``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``; where that cannot be written, a private
+``attnkit-<uid>`` folder in the temporary directory), keyed by the sources, the compiler, the
 flags and this CPU, and loaded with :mod:`ctypes` (calls release the GIL). Without a compiler,
 or with ``ATTNKIT_NATIVE=0``, :func:`available` is False, :func:`unavailable_reason` says why
-and attnkit runs the same computations in torch ops instead.
+and attnkit runs the same computations in torch ops instead; unless ``ATTNKIT_NATIVE=0`` chose
+that, one :class:`NativeKernelWarning` says why and what it costs.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
@@ -38,7 +43,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "MAX_QUERY_ROWS"]
+           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "MAX_QUERY_ROWS",
+           "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c")
@@ -51,6 +57,23 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lock = threading.Lock()
 _state: dict = {}  # "lib", "reason", "info" once loading was tried
 
+#: What running without the kernels costs: examples/decode_paths.py's decoding step (B=8,
+#: ~8k-token contexts, Hq=32, Hkv=8, d=128) against ATTNKIT_NATIVE=0, best of 7 runs on a
+#: 2-core AVX-512 CPU.
+SLOWDOWN = ("decoding runs in torch ops instead: about 3x slower over a paged cache, 2.5x over "
+            "packed (varlen) sequences and 5x over a padded cache in bfloat16, and 16x over a "
+            "paged cache in float32")
+
+
+class NativeKernelWarning(RuntimeWarning):
+    """The native kernels could not be built or loaded, so attnkit runs their work in torch
+    ops (the same results, slower). Issued once, when the kernels are first needed; set
+    ``ATTNKIT_NATIVE=0`` to choose the torch ops without it."""
+
+
+def _disabled() -> bool:
+    return os.environ.get("ATTNKIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
 
 def _cache_dir() -> Path:
     env = os.environ.get("ATTNKIT_CACHE_DIR")
@@ -58,6 +81,43 @@ def _cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "attnkit"
+
+
+def _temp_dir() -> Path:
+    """The fallback folder: one per user in the temporary directory."""
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return Path(tempfile.gettempdir()) / f"attnkit-{user}"
+
+
+def _private(folder: Path) -> Optional[str]:
+    """None when ``folder`` in the shared temporary directory is a folder of this user that
+    nobody else can write (so a library found there is one this user built), else why not."""
+    try:
+        st = os.lstat(folder)
+    except OSError as exc:
+        return f"cannot inspect {folder}: {exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return f"{folder} belongs to another user or others may write in it"
+    return None
+
+
+def _writable(folder: Path, private: bool) -> Optional[str]:
+    """None when a library can be built in ``folder`` (created if needed), else why not."""
+    try:
+        folder.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {folder}: {exc}"
+    if private and _private(folder) is not None:
+        return _private(folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=folder)
+    except OSError as exc:
+        return f"cannot write in {folder}: {exc}"
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def _cpu_signature() -> str:
@@ -111,7 +171,7 @@ def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
 
 
 def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
-    if os.environ.get("ATTNKIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if _disabled():
         return None, "disabled by ATTNKIT_NATIVE=0", {}
     cc = _compiler()
     if cc is None:
@@ -122,17 +182,34 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
     except OSError as exc:
         return None, f"cannot read the kernel sources: {exc}", {}
     info: dict = {"compiler": cc}
+    cache, temp = _cache_dir(), _temp_dir()
+    folders = [cache] if temp == cache else [cache, temp]
+    unusable: dict = {}  # folder -> why no library can be built in it
     for extra in (("-march=native",), ()):
         key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
                                          _cpu_signature().encode()])).hexdigest()[:16]
-        folder = _cache_dir()
-        path = folder / f"attnkit_decode_{key}.so"
-        info.update(path=str(path), flags=" ".join(_FLAGS + extra), cached=path.exists())
-        if not path.exists():
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                return None, f"cannot create the kernel cache folder {folder}: {exc}", info
+        name = f"attnkit_decode_{key}.so"
+        # built before, in the cache folder or (one this user owns) in the temporary one
+        path = next((f / name for f in folders
+                     if (f / name).is_file() and (f == cache or _private(f) is None)), None)
+        cached = path is not None
+        if path is None:
+            for folder in folders:
+                if folder not in unusable:
+                    why = _writable(folder, private=folder != cache)
+                    if why is None:
+                        path = folder / name
+                        break
+                    unusable[folder] = why
+            else:
+                where = "; nor in the temporary folder: " if len(folders) > 1 else ""
+                return None, ("cannot build the native kernels in the kernel cache folder: "
+                              + where.join(unusable[f] for f in folders)), info
+        info.update(path=str(path), folder=str(path.parent), flags=" ".join(_FLAGS + extra),
+                    cached=cached)
+        if path.parent != cache:
+            info["cache_folder_unusable"] = unusable.get(cache, f"{cache} holds no library")
+        if not cached:
             t0 = time.perf_counter()
             err = _compile(cc, path, extra)
             info["build_s"] = time.perf_counter() - t0
@@ -163,11 +240,28 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
 
 
 def _lib() -> Optional[ctypes.CDLL]:
+    failed = None
     with _lock:
         if not _state:
             lib, reason, info = _load()
             _state.update(lib=lib, reason=reason, info=info)
-        return _state["lib"]
+            if lib is None and not _disabled():
+                failed = reason
+    if failed is not None:
+        _warn(f"attnkit's native kernels are unavailable ({failed}); {SLOWDOWN}. Set "
+              f"ATTNKIT_NATIVE=0 to run without them and without this warning.")
+    return _state["lib"]
+
+
+def _warn(message: str) -> None:
+    """Warn at the first caller outside attnkit and torch (whose autograd functions run
+    attnkit's forward): the user's line that needed the kernels."""
+    inside = tuple(str(Path(mod.__file__).resolve().parent) + os.sep
+                   for mod in (sys.modules[__name__.split(".")[0]], torch))
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, NativeKernelWarning, stacklevel=level)
 
 
 def available() -> bool:
@@ -182,7 +276,8 @@ def unavailable_reason() -> Optional[str]:
 
 
 def build_info() -> dict:
-    """Compiler, flags, library path, whether it came from the cache, build seconds."""
+    """Compiler, flags, library path and its folder (``cache_folder_unusable`` says why, when
+    that is the temporary one), whether it came from the cache, build seconds."""
     _lib()
     return dict(_state["info"])
 
@@ -395,4 +490,7 @@ def describe() -> str:
         return f"native decode kernel: unavailable ({unavailable_reason()})"
     info = build_info()
     how = "cached" if info.get("cached") else f"built in {info.get('build_s', 0.0):.1f} s"
-    return f"native decode kernel: {how} ({info.get('flags')})"
+    where = ""
+    if "cache_folder_unusable" in info:
+        where = f"; in {info['folder']}: {info['cache_folder_unusable']}"
+    return f"native decode kernel: {how} ({info.get('flags')}){where}"
