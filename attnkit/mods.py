@@ -21,9 +21,10 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Tuple
 
+import torch
 from torch import Tensor
 
-__all__ = ["Builtin", "ModInfo", "info_of", "remap"]
+__all__ = ["Builtin", "ModInfo", "call_mask_mod", "call_score_mod", "info_of", "remap"]
 
 IndexMap = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor, Tensor]]
 
@@ -106,3 +107,50 @@ def remap(mod: Callable[..., Tensor], index_map: IndexMap, *, score: bool, suffi
 
     structure = info.structure if keep_structure else {"kind": "remapped"}
     return Builtin(fn, name, ModInfo(structure=structure, bias=bias, cap=info.cap))
+
+
+def _mod_name(mod: Any) -> str:
+    return getattr(mod, "__name__", type(mod).__name__)
+
+
+def _check_shape(kind: str, mod: Any, out: Tensor, tile: Tuple[int, ...]) -> None:
+    ok = out.dim() == 0 or (out.dim() == len(tile)
+                            and all(o in (1, t) for o, t in zip(out.shape, tile)))
+    if not ok:
+        raise ValueError(
+            f"{kind} {_mod_name(mod)} returned a tensor of shape {tuple(out.shape)} for a tile "
+            f"of {tile} (batch, heads, queries, keys); it must be computed elementwise from its "
+            f"arguments, giving their broadcast shape (dims of size 1 allowed)")
+
+
+def call_score_mod(mod: Callable[..., Tensor], score: Tensor, b: Tensor, h: Tensor,
+                   q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``mod(score, b, h, q_idx, kv_idx)`` checked (a float tensor of the tile's shape, or
+    broadcast to it) and returned with ``score``'s shape and dtype."""
+    out = mod(score, b, h, q_idx, kv_idx)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"score_mod {_mod_name(mod)} returned {type(out).__name__}; it must "
+                        f"return the new scores, a float tensor shaped like `score`")
+    if not out.dtype.is_floating_point:
+        hint = (" (for a mask pass a mask_mod as mask=)" if out.dtype == torch.bool else "")
+        raise TypeError(f"score_mod {_mod_name(mod)} returned a {out.dtype} tensor; it must "
+                        f"return float scores{hint}")
+    _check_shape("score_mod", mod, out, tuple(score.shape))
+    if out.dtype != score.dtype:
+        out = out.to(score.dtype)
+    return out if out.shape == score.shape else out.expand(score.shape)
+
+
+def call_mask_mod(mod: Callable[..., Tensor], b: Tensor, h: Tensor, q_idx: Tensor,
+                  kv_idx: Tensor) -> Tensor:
+    """``mod(b, h, q_idx, kv_idx)`` checked: a bool tensor that broadcasts to the tile
+    ``(b, h, q_idx, kv_idx)`` spans (dims of size 1 allowed), returned as it is."""
+    out = mod(b, h, q_idx, kv_idx)
+    if not isinstance(out, Tensor) or out.dtype != torch.bool:
+        got = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
+        raise TypeError(f"mask_mod {_mod_name(mod)} returned {got}; it must return a bool "
+                        f"tensor (True = may attend); for an additive float mask use bias= or "
+                        f"a score_mod")
+    tile = tuple(max(sizes) for sizes in zip(b.shape, h.shape, q_idx.shape, kv_idx.shape))
+    _check_shape("mask_mod", mod, out, tile)
+    return out

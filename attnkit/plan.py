@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .mods import call_mask_mod
 from .spec import AttentionSpec
 
 #: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
@@ -236,10 +237,7 @@ def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
         k_lo, k_hi = kbs[0] * bk, min(spec.lk, (kbs[-1] + 1) * bk)
         i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
         j = torch.arange(k_lo, k_hi, device=dev).view(1, 1, 1, -1)
-        row = spec.mask_mod(b, h, i, j)
-        if not isinstance(row, Tensor) or row.dtype != torch.bool:
-            raise TypeError(f"mask_mod must return a bool tensor; {_name(spec.mask_mod)} "
-                            f"returned {getattr(row, 'dtype', type(row).__name__)}")
+        row = call_mask_mod(spec.mask_mod, b, h, i, j)
         row = row.expand(*row.shape[:-2], q1 - q0, k_hi - k_lo)  # results may broadcast
         for kb in kbs:
             c0, c1 = kb * bk - k_lo, min(spec.lk, (kb + 1) * bk) - k_lo
@@ -251,10 +249,6 @@ def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
                 cache[(qb, kb)] = tile
                 used += tile.numel()
     return any_, full
-
-
-def _name(fn) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
 
 
 ANALYTIC_TERMS = ("band", "seqlens", "segments", "mask")
@@ -314,7 +308,7 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
         full = full.view(nb, nh, 1, 1)
         if bool((listed & ~full).any()):
             b, h = _bh(spec)
-            both(listed & (full | spec.block_mask.mask_mod(b, h, i, j)))
+            both(listed & (full | call_mask_mod(spec.block_mask.mask_mod, b, h, i, j)))
         else:
             both(listed)
     if plan.needs("mask_mod", qb, kb):
@@ -322,7 +316,7 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
         if cached is None:
             if b is None:
                 b, h = _bh(spec)
-            cached = spec.mask_mod(b, h, i, j)
+            cached = call_mask_mod(spec.mask_mod, b, h, i, j)
         both(cached)
     return vis
 

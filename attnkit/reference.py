@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .mods import call_mask_mod, call_score_mod
 from .spec import AttentionSpec, _canonical_4d, build_spec
 
 
@@ -33,7 +34,7 @@ def visibility(spec: AttentionSpec) -> Tensor:
     if spec.mask is not None:
         vis = vis & spec.mask
     if spec.mask_mod is not None:
-        vis = vis & spec.mask_mod(b, h, i, j)
+        vis = vis & call_mask_mod(spec.mask_mod, b, h, i, j)
     if spec.block_mask is not None:
         vis = vis & _block_mask_dense(spec, b, h, i, j)
     if spec.segments_q is not None:
@@ -57,7 +58,7 @@ def _block_mask_dense(spec: AttentionSpec, b: Tensor, h: Tensor, i: Tensor, j: T
         x = blocks.repeat_interleave(bq, dim=-2).repeat_interleave(bk, dim=-1)
         return x[..., : spec.lq, : spec.lk]
     listed, full = expand(dense_blocks), expand(full_blocks)
-    mod = bm.mask_mod(b, h, i, j) if bm.mask_mod is not None else torch.ones(
+    mod = call_mask_mod(bm.mask_mod, b, h, i, j) if bm.mask_mod is not None else torch.ones(
         (), dtype=torch.bool)
     return listed & (full | mod)
 
@@ -81,7 +82,7 @@ def scores(spec: AttentionSpec) -> Tensor:
         slopes = spec.alibi_slopes.double().view(-1, hq, 1, 1)
         s = s - slopes * (spec.aligned_rows() - j).abs()
     if spec.score_mod is not None:
-        s = spec.score_mod(s, b, h, i, j)
+        s = call_score_mod(spec.score_mod, s, b, h, i, j)
     return s
 
 

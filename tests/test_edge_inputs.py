@@ -81,3 +81,74 @@ def test_block_mask_of_builtin_pickles():
         q, k, v = (rand(1, 2, 40, 8) for _ in range(3))
         torch.testing.assert_close(attnkit.attention(q, k, v, mask=back),
                                    attnkit.attention(q, k, v, mask=bm))
+
+
+# ---- score_mod / mask_mod results are checked ----------------------------------------------
+
+
+@pytest.mark.parametrize("mod,exc,words", [
+    (lambda s, b, h, i, j: None, TypeError, ["score_mod", "<lambda>", "NoneType"]),
+    (lambda s, b, h, i, j: s > 0, TypeError, ["score_mod", "bool", "mask="]),
+    (lambda s, b, h, i, j: (i - j), TypeError, ["score_mod", "int64"]),
+    (lambda s, b, h, i, j: s[..., 0], ValueError, ["score_mod", "shape", "elementwise"]),
+    (lambda s, b, h, i, j: s.sum(-1), ValueError, ["score_mod", "shape"]),
+])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_bad_score_mod_results_are_one_clear_error(mod, exc, words, backend):
+    q, k, v = (rand(2, 2, 9, 8) for _ in range(3))
+    for fn in (lambda: attnkit.attention(q, k, v, score_mod=mod, backend=backend),
+               lambda: attention_reference(q, k, v, score_mod=mod)):
+        with pytest.raises(exc) as info:
+            fn()
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize("mod,exc,words", [
+    (lambda b, h, i, j: None, TypeError, ["mask_mod", "NoneType", "bool"]),
+    (lambda b, h, i, j: (i >= j).float(), TypeError, ["mask_mod", "float32", "bias="]),
+    (lambda b, h, i, j: (i >= j)[..., 0], ValueError, ["mask_mod", "shape"]),
+    (lambda b, h, i, j: torch.ones(3, 3, 3, 3, 3, dtype=torch.bool), ValueError,
+     ["mask_mod", "shape"]),
+])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_bad_mask_mod_results_are_one_clear_error(mod, exc, words, backend):
+    q, k, v = (rand(2, 2, 9, 8) for _ in range(3))
+    for fn in (lambda: attnkit.attention(q, k, v, mask=mod, backend=backend),
+               lambda: attention_reference(q, k, v, mask=mod)):
+        with pytest.raises(exc) as info:
+            fn()
+        for w in words:
+            assert w in str(info.value), (w, str(info.value))
+
+
+def test_score_mod_results_that_broadcast_are_elementwise():
+    """A result computed from the indices alone (shape (1, 1, bq, bk)) is broadcast over
+    batch and heads, as the elementwise definition says."""
+    q, k, v = (rand(2, 3, 11, 8) for _ in range(3))
+    table = rand(11, 11)
+    mod = lambda s, b, h, i, j: s + table[i, j]  # noqa: E731
+    torch.testing.assert_close(attnkit.attention(q, k, v, score_mod=mod),
+                               attention_reference(q, k, v, bias=table))
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+@pytest.mark.parametrize("which", ["constant", "table"])
+def test_score_mod_that_ignores_the_score_has_a_backward(backend, which):
+    q, k, v = (rand(2, 2, 9, 8, requires_grad=True) for _ in range(3))
+    table = rand(9, 9, requires_grad=True)
+    if which == "constant":
+        mod = lambda s, b, h, i, j: torch.full_like(s, 0.5)  # noqa: E731
+        inputs = (q, k, v)
+    else:
+        mod = lambda s, b, h, i, j: table[i, j].expand_as(s)  # noqa: E731
+        inputs = (q, k, v, table)
+    out = attnkit.attention(q, k, v, score_mod=mod, backend=backend)
+    ref = attention_reference(q, k, v, score_mod=mod)
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True)
+    rgrads = torch.autograd.grad(ref, inputs, dout, allow_unused=True)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a if a is not None else torch.zeros_like(b),
+                                   b if b is not None else torch.zeros_like(a))

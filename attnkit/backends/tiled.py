@@ -19,6 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..mods import call_score_mod
 from ..plan import Plan, slice_tile, tile_visibility
 from ..spec import AttentionSpec
 
@@ -70,11 +71,7 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
 
 
 def _apply_score_mod(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int):
-    b, h, i, j = _index_tensors(spec, q0, q1, k0, k1)
-    out = spec.score_mod(s, b, h, i, j)
-    if out.shape != s.shape:
-        out = out.expand(s.shape)
-    return out
+    return call_score_mod(spec.score_mod, s, *_index_tensors(spec, q0, q1, k0, k1))
 
 
 def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
@@ -297,8 +294,12 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
         with torch.enable_grad():
             x = pre_mod.detach().requires_grad_(True)
             y = _apply_score_mod(spec, x, q0, q1, k0, k1)
-            grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True)
-        ds = grads[0]
+            if y.requires_grad:
+                grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True)
+            else:  # the mod ignores the score and every tensor it reads is constant
+                grads = (None,) * (1 + len(params))
+        # a mod that ignores the score (a constant or a table lookup) passes no gradient on
+        ds = grads[0] if grads[0] is not None else torch.zeros_like(ds)
         for idx, g in enumerate(grads[1:]):
             if g is not None:
                 dparams[idx] = g if dparams[idx] is None else dparams[idx] + g
