@@ -481,8 +481,11 @@ def test_assess_load_decides_from_scaling_other_processes_and_load() -> None:
                         multi_gflops=None, others_cores=3.5)
     assert not spare["contended"]
     loaded = assess_load(cores=2, threads=2, load_avg=2.5, single_gflops=None,
-                         multi_gflops=None, others_cores=None)
+                         multi_gflops=None, others_cores=None)  # no /proc: the load average
     assert loaded["contended"] and "load average 2.5" in loaded["reasons"][0]
+    lagging = assess_load(cores=2, threads=2, load_avg=2.5, single_gflops=95.0,
+                          multi_gflops=180.0, others_cores=0.02)  # a job that just ended
+    assert not lagging["contended"] and lagging["load_avg_1m_before"] == 2.5
     one = assess_load(cores=1, threads=1, load_avg=None, single_gflops=None,
                       multi_gflops=50.0, others_cores=0.0)
     assert one["thread_scaling"] is None and not one["contended"]

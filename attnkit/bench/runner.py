@@ -237,8 +237,10 @@ def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float]
     Contended when (a) float32 matmul on ``threads`` threads ran below
     :data:`CONTENDED_SCALING` of ``threads`` x its one-thread speed (measured back to back
     before the timed runs), or (b) other processes used more than :data:`CONTENDED_OTHERS`
-    of the ``threads`` cores during the run, or (c) the 1-minute load average before the run
-    was at least the number of cores.
+    of the ``threads`` cores during the run, or (c) only where (b) cannot be measured (no
+    ``/proc``), the 1-minute load average before the run was at least the number of cores.
+    The load average is otherwise only reported: it lags by a minute, so a job that ended just
+    before the run would raise it without competing.
     """
     reasons: List[str] = []
     scaling = None
@@ -252,7 +254,7 @@ def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float]
         if others_cores - spare > CONTENDED_OTHERS * threads:
             reasons.append(f"other processes used {others_cores:.1f} of the {cores} cores "
                            f"during the run")
-    if load_avg is not None and cores and load_avg >= cores:
+    if others_cores is None and load_avg is not None and cores and load_avg >= cores:
         reasons.append(f"load average {load_avg:.1f} on {cores} cores before the run")
     return {"cores": cores, "threads": threads, "load_avg_1m_before": load_avg,
             "matmul_float32_1_thread_gflops": single_gflops,
