@@ -395,8 +395,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             /* visible t: [a, e) within the chunk */
             const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
             const float ip = (float)(ipos[r] - c0), sl = slope[r];
-            ak_vf mxv = ak_splat(-INFINITY);
-            ak_vi bad = {0}; /* visible lanes holding NaN or +inf */
+            ak_vf mxv = ak_splat(-INFINITY); /* NaN lanes drop out of the max */
             for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
                 ak_vf v;
                 memcpy(&v, sr + t0, sizeof v);
@@ -407,17 +406,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     v -= sl * ak_select(dist < 0.0f, -dist, dist);
                 }
                 v = ak_select((t >= a) & (t < e), v, ak_splat(-INFINITY));
-                bad |= ~(v < ak_splat(INFINITY));
                 mxv = ak_select(v > mxv, v, mxv);
                 memcpy(sr + t0, &v, sizeof v);
             }
-            if (ak_any(bad)) { /* softmax over the row is NaN: mark it, skip its keys */
-                m[r] = NAN;
-                memset(sr, 0, AK_CHUNK * sizeof(float));
-                continue;
-            }
             const float mx = hmax(mxv);
-            if (mx == -INFINITY) { /* nothing visible in this chunk for this row */
+            if (mx == -INFINITY) { /* nothing visible (or only -inf, NaN) in this chunk */
+                int nan = 0;
+                for (int64_t t = 0; t < AK_CHUNK; ++t) nan |= isnan(sr[t]);
+                if (nan) m[r] = NAN; /* the row is NaN from now on */
                 memset(sr, 0, AK_CHUNK * sizeof(float));
                 continue;
             }
@@ -427,15 +423,21 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
                 ak_vf v;
                 memcpy(&v, sr + t0, sizeof v);
-                const ak_vf p = exp_nonpos(v - mnew); /* 0 where v = -inf */
+                const ak_vf p = exp_nonpos(v - mnew); /* 0 where v = -inf, NaN where NaN */
                 memcpy(sr + t0, &p, sizeof p);
                 sumv += p;
+            }
+            const float sum = hsum(sumv);
+            if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
+                m[r] = NAN;
+                memset(sr, 0, AK_CHUNK * sizeof(float));
+                continue;
             }
             if (alpha != 1.0f) {
                 float *ar = acc + r * Dv;
                 for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
             }
-            l[r] = l[r] * alpha + hsum(sumv);
+            l[r] = l[r] * alpha + sum;
             m[r] = mnew;
         }
         /* P V, one kv head at a time; all its rows together where they all see the whole

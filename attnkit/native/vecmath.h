@@ -28,16 +28,10 @@ AK_INLINE ak_vf ak_select(ak_vi m, ak_vf a, ak_vf b) {
     return (ak_vf)(((ak_vi)a & m) | ((ak_vi)b & ~m));
 }
 
-/* whether any lane of the mask m is set */
-AK_INLINE int ak_any(ak_vi m) {
-    int32_t x = 0;
-    for (int i = 0; i < AK_W; ++i) x |= m[i];
-    return x != 0;
-}
-
 /* exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with
  * x = n ln2 + r, |r| <= ln2 / 2; relative error below 2e-7. 0 for x < -87 (where the true
- * value is below float32's normal range) and for x = -inf. */
+ * value is below float32's normal range) and for x = -inf; NaN for x = NaN (r, hence the
+ * polynomial, is NaN whatever the exponent bits; decode.c relies on it). */
 AK_INLINE ak_vf exp_nonpos(ak_vf x) {
     const ak_vi under = x < ak_splat(-87.0f);
     const ak_vf xc = ak_select(under, ak_splat(-87.0f), x);
