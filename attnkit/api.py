@@ -94,7 +94,8 @@ def attention(
 
     Dropout: ``dropout_p`` drops each weight ``(b, h, i, j)`` when a Philox random keyed by
     ``seed``, ``offset`` and those coordinates is below ``dropout_p``, and scales kept weights
-    by ``1 / (1 - dropout_p)``; the backward replays the same mask. ``seed=None`` draws one from
+    by ``1 / (1 - dropout_p)`` (``dropout_p=1`` drops every weight: out 0, as torch); the
+    backward replays the same mask. ``seed=None`` draws one from
     torch's default generator. ``dropout_mask`` (bool, broadcastable to the scores, True =
     keep) gives the keep mask directly, scaled by ``1 / (1 - dropout_p)``.
 
@@ -150,6 +151,9 @@ def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:
     """The keep mask used for dropout, dense (None without dropout)."""
     if spec.dropout_mask is not None:
         keep = spec.dropout_mask.expand(spec.n, spec.hq, spec.lq, spec.lk)
+    elif spec.dropout_p >= 1.0:
+        keep = torch.zeros((), dtype=torch.bool, device=spec.q.device).expand(
+            spec.n, spec.hq, spec.lq, spec.lk)
     elif spec.dropout_p > 0.0:
         from .dropout import keep_mask
 

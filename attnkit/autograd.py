@@ -53,6 +53,21 @@ class _AttentionFunction(torch.autograd.Function):
 def run(spec: AttentionSpec, executor: ModuleType,
         plan: Optional[Any] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Run ``spec`` on ``executor`` through the autograd node; canonical shapes out."""
+    if spec.is_empty:
+        return _empty(spec)
     plan = plan if plan is not None else executor.make_executor_plan(spec)
     return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v, spec.bias,
                                     spec.sinks, *spec.score_mod_params)
+
+
+def _empty(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
+    """No output element (no batch rows, heads or queries): empty results that still hang
+    off every input that requires grad, so a backward gives them zero gradients."""
+    inputs = (spec.q, spec.k, spec.v, spec.bias, spec.sinks, *spec.score_mod_params)
+    out = spec.q.new_zeros(spec.n, spec.hq, spec.lq, spec.dv)
+    for x in inputs:
+        if x is not None and x.requires_grad:
+            out = out + x.sum().to(out.dtype) * 0
+    lse = torch.full((spec.n, spec.hq, spec.lq), float("-inf"), dtype=spec.compute_dtype,
+                     device=spec.q.device)
+    return out, lse, lse.clone()

@@ -264,6 +264,18 @@ class PagedKVCache:
         return "\n".join(lines)
 
 
+def _index_tensor(name: str, x: Any, pages: Any, dtype: torch.dtype) -> Any:
+    """A block table or lengths given as a list, as a tensor on the pages' device (tensors
+    are returned as they are; :func:`_check_pages` checks them)."""
+    if isinstance(x, Tensor) or not isinstance(pages, Tensor):
+        return x
+    try:
+        return torch.as_tensor(x, dtype=dtype, device=pages.device)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name} must be an integer tensor or a (nested) list of ints; got "
+                        f"{type(x).__name__}") from err
+
+
 def _check_pages(k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                  seqlens: Tensor) -> Tensor:
     """Validate paged K/V, a block table and lengths; return the lengths as int64. Every page
@@ -409,10 +421,18 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, Dqk); got "
                          f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
+    if q.device.type == "meta":
+        raise ValueError("q is on the meta device (shapes without data); attnkit computes on "
+                         "real tensors")
+    block_table = _index_tensor("block_table", block_table, k_pages, torch.int32)
+    seqlens_kv = _index_tensor("seqlens_kv", seqlens_kv, k_pages, torch.int32)
+    for name, x in (("q", q), ("block_table", block_table), ("seqlens_kv", seqlens_kv)):
+        if isinstance(x, Tensor) and isinstance(k_pages, Tensor) and x.device != k_pages.device:
+            raise ValueError(f"{name} is on {x.device} but the pages are on {k_pages.device}; "
+                             f"move it with {name}.to(k_pages.device)")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"block_table must be (B, max_pages) with B = {q.shape[0]} (q's batch); "
                          f"got {tuple(block_table.shape)}")
-    seqlens_kv = torch.as_tensor(seqlens_kv, device=q.device)
     if seqlens_kv.numel() and int(seqlens_kv.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(seqlens_kv.min())}")

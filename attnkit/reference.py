@@ -79,7 +79,7 @@ def scores(spec: AttentionSpec) -> Tensor:
     i = torch.arange(lq, device=dev).view(1, 1, lq, 1)
     j = torch.arange(lk, device=dev).view(1, 1, 1, lk)
     if spec.alibi_slopes is not None:
-        slopes = spec.alibi_slopes.double().view(-1, hq, 1, 1)
+        slopes = spec.alibi_rows().double()
         s = s - slopes * (spec.aligned_rows() - j).abs()
     if spec.score_mod is not None:
         s = call_score_mod(spec.score_mod, s, b, h, i, j)
@@ -113,7 +113,7 @@ def attention_reference(
     if dropout_keep is not None:
         keep = _canonical_4d("dropout_keep", dropout_keep, spec.batch_shape, spec.n,
                              (spec.hq, spec.lq, spec.lk))
-        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
+        p = p * keep.to(p.dtype) * (1.0 / (1.0 - dropout_p) if dropout_p < 1.0 else 0.0)
     vv = spec.v.double().repeat_interleave(spec.groups, dim=1)
     out = p @ vv
     out = out.reshape(spec.output_shape(spec.dv))

@@ -85,7 +85,12 @@ class AttentionSpec:
 
     @property
     def groups(self) -> int:
-        return self.hq // self.hkv
+        return self.hq // self.hkv if self.hkv else 1
+
+    @property
+    def is_empty(self) -> bool:
+        """No output element to compute (no batch rows, heads or query rows)."""
+        return self.n == 0 or self.hq == 0 or self.lq == 0
 
     @property
     def lq(self) -> int:
@@ -126,6 +131,14 @@ class AttentionSpec:
         if self.row_offset is not None:
             ip = ip + self.row_offset[q0:q1].view(1, 1, -1, 1)
         return ip
+
+    def alibi_rows(self, q0: int = 0, q1: Optional[int] = None) -> Tensor:
+        """ALiBi slopes for query rows [q0, q1): ``(N|1, Hq, rows|1, 1)``."""
+        s = self.alibi_slopes
+        if s.dim() == 2:
+            return s.view(s.shape[0], self.hq, 1, 1)
+        q1 = self.lq if q1 is None else q1
+        return s[:, :, q0:q1].unsqueeze(-1)
 
     def output_shape(self, last: int) -> Tuple[int, ...]:
         if self.squeeze_heads:
@@ -190,6 +203,9 @@ def _broadcast_batch(shapes: Sequence[Tuple[str, Tuple[int, ...]]]) -> Tuple[int
 def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor):
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
+    if q.device.type == "meta":
+        raise ValueError("q is on the meta device (shapes without data); attnkit computes on "
+                         "real tensors: create q, k and v on the CPU (or a GPU)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}: "
@@ -217,7 +233,10 @@ def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor):
     if v.shape[-3] != hkv:
         raise ValueError(
             f"k and v must have the same number of heads; got k {hkv} and v {v.shape[-3]}")
-    if hkv == 0 or hq % hkv != 0:
+    if hkv == 0 and hq > 0:
+        raise ValueError(f"k has 0 heads but q has {hq}; every query head needs a key/value "
+                         f"head (grouped-query attention: Hq a multiple of Hkv)")
+    if hkv and hq % hkv != 0:
         raise ValueError(
             f"q has {hq} heads and k has {hkv}; the number of query heads must be a multiple "
             f"of the number of key/value heads (grouped-query attention)")
@@ -257,7 +276,7 @@ def _canonical_4d(name: str, x: Tensor, batch: Tuple[int, ...], n: int,
 
 def _check_scale(scale: Any, d: int) -> float:
     if scale is None:
-        return 1.0 / math.sqrt(d)
+        return 1.0 / math.sqrt(d) if d else 1.0  # head dim 0: every score is 0 anyway
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
             raise ValueError(f"scale must be a number; got a tensor of shape {tuple(scale.shape)}")
@@ -265,10 +284,63 @@ def _check_scale(scale: Any, d: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float; got {type(scale).__name__}")
     scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be finite and > 0; got {scale}. Leave it None for "
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number; got {scale}. Leave it None for "
                          f"1/sqrt(head_dim)")
     return scale
+
+
+def _clamp_bound(w: Optional[int], lq: int, lk: int) -> Optional[int]:
+    """A window bound (any int, None = unbounded) clamped to +-(Lq + Lk + 1): every bound
+    beyond that has the same meaning, and the planner's integer arithmetic stays small."""
+    if w is None:
+        return None
+    limit = lq + lk + 1
+    return max(-limit, min(limit, w))
+
+
+def _check_device(name: str, x: Any, device: torch.device) -> None:
+    if isinstance(x, Tensor) and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}; move it with "
+                         f"{name}.to(q.device)")
+
+
+#: Softcaps float32 computes reliably (the tiled executor divides the query scale by the cap).
+SOFTCAP_RANGE = (2.0 ** -60, 2.0 ** 60)
+
+
+def _check_softcap(softcap: Any, compute: torch.dtype) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None; got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap must be finite and > 0 (None turns it off); got {softcap}")
+    lo, hi = SOFTCAP_RANGE
+    if compute != torch.float64 and not lo <= softcap <= hi:
+        raise ValueError(f"softcap={softcap:g} is outside what float32 (the compute dtype of "
+                         f"these inputs) computes reliably, [{lo:.2g}, {hi:.2g}]; a cap that "
+                         f"large is no cap (use None), one that small makes every score 0")
+    return float(softcap)
+
+
+def _check_alibi(slopes: Any, n: int, hq: int, lq: int, device: torch.device,
+                 dtype: torch.dtype) -> Tensor:
+    """ALiBi slopes ``(Hq,)``, ``(N|1, Hq)`` or per query row ``(N|1, Hq, Lq)`` (varlen:
+    each row its sequence's slopes), as ``(N|1, Hq)`` or ``(N|1, Hq, Lq)``."""
+    if not isinstance(slopes, Tensor):
+        try:
+            slopes = torch.as_tensor(slopes, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"alibi_slopes must be a float tensor or a list of floats (one "
+                            f"per query head); got {type(slopes).__name__}") from err
+    _check_device("alibi_slopes", slopes, device)
+    if slopes.dtype == torch.bool or slopes.dtype.is_complex:
+        raise TypeError(f"alibi_slopes must hold real numbers; got {slopes.dtype}")
+    shapes = {(hq,), (1, hq), (n, hq), (1, hq, lq), (n, hq, lq)}
+    if tuple(slopes.shape) not in shapes:
+        raise ValueError(f"alibi_slopes must have shape ({hq},) or ({n}, {hq}) (or one row of "
+                         f"slopes per query, ({n}, {hq}, {lq})); got {tuple(slopes.shape)}")
+    slopes = slopes.to(dtype=dtype)
+    return slopes.view(1, hq) if slopes.dim() == 1 else slopes
 
 
 def _check_window(window: Any) -> Tuple[Optional[int], Optional[int]]:
@@ -292,7 +364,8 @@ def _check_window(window: Any) -> Tuple[Optional[int], Optional[int]]:
 
 def _check_seqlens(name: str, x: Any, n: int, limit: int, device: torch.device) -> Tensor:
     if not isinstance(x, Tensor):
-        x = torch.as_tensor(x)
+        x = torch.as_tensor(x, device=device)
+    _check_device(name, x, device)
     if x.dtype.is_floating_point or x.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor of shape ({n},); got dtype {x.dtype}")
     if x.shape != (n,):
@@ -520,7 +593,10 @@ def build_spec(
     left, right = _check_window(window)
     if causal:
         right = 0 if right is None else min(right, 0)
-    spec.left, spec.right = left, right
+    spec.left, spec.right = _clamp_bound(left, lq, lk), _clamp_bound(right, lq, lk)
+    for name, x in (("mask", mask), ("bias", bias), ("sinks", sinks),
+                    ("dropout_mask", dropout_mask)):
+        _check_device(name, x, qc.device)
 
     if mask is not None:
         if isinstance(mask, Tensor):
@@ -528,8 +604,6 @@ def build_spec(
                 raise TypeError(
                     f"mask must be a bool tensor (True = may attend); got dtype {mask.dtype}. "
                     f"For an additive float mask pass it as bias=")
-            if mask.device != qc.device:
-                raise ValueError(f"mask is on {mask.device} but q is on {qc.device}")
             spec.mask = _canonical_4d("mask", mask, batch, n, full)
         elif _is_block_mask(mask):
             _check_block_mask(mask, n, hq, lq, lk)
@@ -548,8 +622,6 @@ def build_spec(
             raise TypeError(
                 f"bias must be a float tensor added to the scores; got dtype {bias.dtype}. "
                 f"For a bool mask pass it as mask=")
-        if bias.device != qc.device:
-            raise ValueError(f"bias is on {bias.device} but q is on {qc.device}")
         spec.bias = _canonical_4d("bias", bias, batch, n, full)
 
     if score_mod is not None:
@@ -562,23 +634,10 @@ def build_spec(
             check_score_mod_gradients(score_mod, spec.score_mod_params, qc)
 
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float > 0 or None; got {softcap!r}")
-        if not math.isfinite(softcap) or softcap <= 0:
-            raise ValueError(f"softcap must be finite and > 0 (None turns it off); got {softcap}")
-        spec.softcap = float(softcap)
+        spec.softcap = _check_softcap(softcap, spec.compute_dtype)
 
     if alibi_slopes is not None:
-        slopes = torch.as_tensor(alibi_slopes)
-        if not slopes.dtype.is_floating_point:
-            slopes = slopes.float()
-        if slopes.shape not in ((hq,), (n, hq)) and not (slopes.dim() == 2
-                                                          and slopes.shape == (1, hq)):
-            raise ValueError(f"alibi_slopes must have shape ({hq},) or ({n}, {hq}); got "
-                             f"{tuple(slopes.shape)}")
-        slopes = slopes.to(device=qc.device, dtype=torch.float64 if qc.dtype == torch.float64
-                           else torch.float32)
-        spec.alibi_slopes = slopes.reshape(-1, hq) if slopes.dim() == 2 else slopes.view(1, hq)
+        spec.alibi_slopes = _check_alibi(alibi_slopes, n, hq, lq, qc.device, spec.compute_dtype)
 
     if seqlens_q is not None:
         spec.seqlens_q = _check_seqlens("seqlens_q", seqlens_q, n, lq, qc.device)
@@ -601,29 +660,23 @@ def build_spec(
 def _set_dropout(spec: AttentionSpec, p: Any, seed: Any, offset: Any, keep: Any,
                  batch: Tuple[int, ...], full: Tuple[int, int, int]) -> None:
     if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1); got {p!r}")
+        raise TypeError(f"dropout_p must be a float in [0, 1]; got {p!r}")
     p = float(p)
-    if not (0.0 <= p < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1); got {p}")
+    if not (0.0 <= p <= 1.0):  # also rejects NaN; 1 drops every weight (torch: zeros)
+        raise ValueError(f"dropout_p must be in [0, 1]; got {p}")
     spec.dropout_p = p
     if keep is not None:
         if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
             raise TypeError("dropout_mask must be a bool tensor (True = keep) broadcastable to "
                             "the scores")
-        spec.dropout_mask = _canonical_4d("dropout_mask", keep.to(spec.q.device), batch,
-                                          spec.n, full)
+        spec.dropout_mask = _canonical_4d("dropout_mask", keep, batch, spec.n, full)
         return
     if p == 0.0:
         return
-    from .dropout import draw_seed
+    from .dropout import _check_offset, _check_seed, draw_seed
 
-    if seed is None:
-        seed = draw_seed()
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
-        raise ValueError(f"seed must be an int in [0, 2**64) or None; got {seed!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2 ** 32:
-        raise ValueError(f"offset must be an int in [0, 2**32); got {offset!r}")
-    spec.seed, spec.offset = seed, offset
+    spec.seed = _check_seed(draw_seed() if seed is None else seed)
+    spec.offset = _check_offset(offset)
 
 
 def _check_block_mask(bm: Any, n: int, hq: int, lq: int, lk: int) -> None:
@@ -647,10 +700,32 @@ def absorb_mask_structure(spec: AttentionSpec) -> None:
     st = structure_of(spec.mask_mod)
     if st is None:
         return
+    _check_document_sizes(st, spec.lq, spec.lk)
     parts = st["parts"] if st.get("kind") == "and" else [st]
     converted = [_absorb_part(spec, part) for part in parts]
     if all(converted):
         spec.mask_mod = None
+
+
+def _check_document_sizes(st: Optional[dict], lq: int, lk: int) -> None:
+    """A builtin document mask (anywhere in an and/or/not) must cover every position."""
+    if st is None:
+        return
+    for part in st.get("parts", ()):
+        _check_document_sizes(part, lq, lk)
+    _check_document_sizes(st.get("part"), lq, lk)
+    if st.get("kind") != "document":
+        return
+    nq, nk = st["doc_ids_q"].shape[-1], st["doc_ids_kv"].shape[-1]
+    if nq >= lq and nk >= lk:  # (longer ids: the mask reads the first Lq / Lk of them)
+        return
+    if "lengths" in st:
+        lengths = st["lengths"].tolist()
+        raise ValueError(f"the document lengths {lengths} sum to {sum(lengths)} but the "
+                         f"sequence has {lq if nq < lq else lk} positions (Lq={lq}, Lk={lk}); "
+                         f"give lengths that add up to the sequence length")
+    raise ValueError(f"the document mask has ids for {nq} query and {nk} key positions but "
+                     f"the inputs have Lq={lq} and Lk={lk}; give one document id per position")
 
 
 def _absorb_part(spec: AttentionSpec, st: Optional[dict]) -> bool:
@@ -664,8 +739,8 @@ def _absorb_part(spec: AttentionSpec, st: Optional[dict]) -> bool:
         if spec.has_band or not isinstance(off, int) or spec.row_offset is not None:
             return False
         lo, hi = st["band"]  # visible iff lo <= j - i <= hi
-        spec.left = None if lo is None else off - lo
-        spec.right = None if hi is None else hi - off
+        spec.left = None if lo is None else _clamp_bound(off - lo, spec.lq, spec.lk)
+        spec.right = None if hi is None else _clamp_bound(hi - off, spec.lq, spec.lk)
         return True
     if kind == "document":
         ids_q, ids_kv = st["doc_ids_q"], st["doc_ids_kv"]

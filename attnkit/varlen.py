@@ -13,8 +13,20 @@ from .spec import build_spec
 
 
 def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
+    if isinstance(cu, (list, tuple)):
+        try:
+            cu = torch.as_tensor(cu, device=device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints") from err
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got a "
+                            f"list of {cu.dtype} values")
     if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be an int32/int64 tensor; got {type(cu).__name__}")
+        raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got "
+                        f"{type(cu).__name__}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with "
+                         f"{name}.to(q.device)")
     if cu.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64; got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 1:
@@ -47,7 +59,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     ``(Tq, Hq, Dv)``; lse ``(Hq, Tq)`` (FlashAttention's layout). ``causal``, ``window``,
     ``diagonal`` (bottom-right uses each sequence's own lengths), ALiBi, softcap and GQA apply
     per sequence; a ``score_mod`` sees ``b`` = the sequence index and positions *within* the
-    sequence. Zero-length sequences are allowed; no work is spent across sequences beyond the
+    sequence. ``alibi_slopes`` is ``(Hq,)`` or per sequence ``(num_seqs, Hq)`` (FlashAttention's
+    layout). Zero-length sequences are allowed; no work is spent across sequences beyond the
     tiles that straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -73,6 +86,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     elif diagonal != "top_left":
         raise ValueError(f"diagonal must be 'top_left' or 'bottom_right'; got {diagonal!r}")
     mod = _local_score_mod(score_mod, seg_q, seg_k, cu_q, cu_k) if score_mod else None
+    hq = q.shape[1]
+    if isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2 and nseq > 1 and tuple(
+            alibi_slopes.shape) == (nseq, hq):  # per (sequence, head): each row its sequence's
+        alibi_slopes = alibi_slopes[seg_q].transpose(0, 1).unsqueeze(0)  # (1, Hq, Tq)
     spec = build_spec(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                       v.transpose(0, 1).unsqueeze(0), scale=scale, causal=causal,
                       window=window, score_mod=mod, softcap=softcap, alibi_slopes=alibi_slopes)

@@ -152,3 +152,220 @@ def test_score_mod_that_ignores_the_score_has_a_backward(backend, which):
     for a, b in zip(grads, rgrads):
         torch.testing.assert_close(a if a is not None else torch.zeros_like(b),
                                    b if b is not None else torch.zeros_like(a))
+
+
+# ---- empty shapes ------------------------------------------------------------------------
+
+import torch.nn.functional as F  # noqa: E402
+
+
+@pytest.mark.parametrize("shapes", [
+    ((0, 2, 5, 8), (0, 2, 7, 8), (0, 2, 7, 8)),      # empty batch
+    ((0, 5, 8), (0, 7, 8), (0, 7, 8)),               # 3-D with no heads (torch: no batch)
+    ((2, 0, 5, 8), (2, 0, 7, 8), (2, 0, 7, 8)),      # no heads
+    ((2, 3, 0, 8), (2, 3, 7, 8), (2, 3, 7, 8)),      # no queries
+    ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 0)),      # head dim 0
+    ((2, 3, 5, 0), (2, 3, 7, 0), (2, 3, 7, 4)),      # Dqk 0: every score is 0
+    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 0)),      # Dv 0
+])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_empty_shapes_match_torch(shapes, backend):
+    q, k, v = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes)
+    want = F.scaled_dot_product_attention(q, k, v)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, backend=backend)
+    assert out.shape == want.shape and lse.shape == want.shape[:-1]
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out, attention_reference(q, k, v))
+    g = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    wg = torch.autograd.grad(want.sum(), (q, k, v), allow_unused=True)
+    for a, b, x in zip(g, wg, (q, k, v)):
+        z = torch.zeros_like(x)
+        torch.testing.assert_close(a if a is not None else z, b if b is not None else z)
+    for fn in (attnkit.scaled_dot_product_attention, attnkit.flex_attention):
+        if q.dim() == 4 or fn is attnkit.scaled_dot_product_attention:
+            torch.testing.assert_close(fn(q, k, v), want)
+
+
+def test_zero_kv_heads_for_some_query_heads_is_a_clear_error():
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 0, 7, 8)
+    with pytest.raises(ValueError, match="k has 0 heads.*q has 4"):
+        attnkit.attention(q, k, k)
+
+
+# ---- softcap the compute dtype cannot hold --------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [1e300, 1e-300, 1e30, 1e-30])
+def test_softcap_float32_cannot_represent_is_refused(cap):
+    q = k = v = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"softcap.*float32.*None"):
+        attnkit.attention(q, k, v, softcap=cap)
+    q64 = q.double()
+    torch.testing.assert_close(attnkit.attention(q64, q64, q64, softcap=cap),  # float64: fine
+                               attention_reference(q64, q64, q64, softcap=cap))
+
+
+@pytest.mark.parametrize("cap", [1e17, 1e-17, 1e-3, 1e6])
+@pytest.mark.parametrize("lq", [1, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_softcaps_float32_holds_are_computed(cap, lq, dtype):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g).to(dtype) for n in (lq, 40, 40))
+    out = attnkit.attention(q, k, v, softcap=cap, causal=True, diagonal="bottom_right")
+    ref = attention_reference(q, k, v, softcap=cap, causal=True, diagonal="bottom_right")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+# ---- arguments on the wrong device, overflowing windows, lists ------------------------------
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"sinks": _meta(2)}, ["sinks", "meta", "cpu"]),
+    ({"alibi_slopes": _meta(2)}, ["alibi_slopes", "meta"]),
+    ({"seqlens_kv": _meta(1, dtype=torch.int64)}, ["seqlens_kv", "meta"]),
+    ({"seqlens_q": _meta(1, dtype=torch.int64)}, ["seqlens_q", "meta"]),
+    ({"dropout_mask": _meta(6, 6, dtype=torch.bool), "dropout_p": 0.5}, ["dropout_mask",
+                                                                          "meta"]),
+    ({"mask": _meta(6, 6, dtype=torch.bool)}, ["mask", "meta"]),
+    ({"bias": _meta(6, 6)}, ["bias", "meta"]),
+    ({"alibi_slopes": "abc"}, ["alibi_slopes", "str"]),
+])
+def test_arguments_on_the_wrong_device_or_of_the_wrong_kind(kwargs, words):
+    q = k = v = torch.randn(1, 2, 6, 8)
+    with pytest.raises((ValueError, TypeError)) as info:
+        attnkit.attention(q, k, v, **kwargs)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_meta_qkv_is_a_clear_error():
+    with pytest.raises(ValueError, match="q.*meta.*real"):
+        attnkit.attention(_meta(1, 2, 6, 8), _meta(1, 2, 6, 8), _meta(1, 2, 6, 8))
+
+
+def test_varlen_and_paged_arguments_on_the_wrong_device():
+    q = torch.randn(6, 2, 16)
+    cu = torch.tensor([0, 6])
+    with pytest.raises(ValueError, match="cu_seqlens_q.*meta"):
+        attnkit.varlen_attention(q, q, q, _meta(2, dtype=torch.int64), cu)
+    cache = attnkit.PagedKVCache(4, 4, 2, 16)
+    cache.allocate("a")
+    cache.append("a", torch.randn(3, 2, 16), torch.randn(3, 2, 16))
+    with pytest.raises(ValueError, match="q.*meta"):
+        attnkit.paged_attention(_meta(1, 2, 1, 16), cache, ["a"])
+    table, lens = cache.block_table(["a"])
+    with pytest.raises(ValueError, match="seqlens_kv.*meta"):
+        attnkit.paged_attention_blocks(torch.randn(1, 2, 1, 16), cache.k_pages, cache.v_pages,
+                                       table, _meta(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("window", [(2 ** 70, 0), (3, 2 ** 70), (2 ** 70, 2 ** 70)])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_huge_windows_are_unbounded_in_effect(window, backend):
+    q, k, v = (rand(2, 2, n, 8) for n in (9, 13, 13))
+    out = attnkit.attention(q, k, v, window=window, diagonal="bottom_right", backend=backend)
+    same = tuple(None if w == 2 ** 70 else w for w in window)
+    torch.testing.assert_close(out, attention_reference(q, k, v, window=same,
+                                                        diagonal="bottom_right"))
+    mask = masks.sliding_window(2 ** 70, 0, "bottom_right", 9, 13)
+    torch.testing.assert_close(attnkit.attention(q, k, v, mask=mask, backend=backend),
+                               attention_reference(q, k, v, causal=True,
+                                                   diagonal="bottom_right"))
+
+
+def test_lists_where_a_tensor_is_obvious():
+    q = torch.randn(6, 2, 16)
+    out = attnkit.varlen_attention(q, q, q, [0, 2, 6], [0, 2, 6])
+    torch.testing.assert_close(out, attnkit.varlen_attention(q, q, q, torch.tensor([0, 2, 6]),
+                                                             torch.tensor([0, 2, 6])))
+    cache = attnkit.PagedKVCache(4, 4, 2, 16)
+    cache.allocate("a")
+    cache.append("a", torch.randn(5, 2, 16), torch.randn(5, 2, 16))
+    table, lens = cache.block_table(["a"])
+    qq = torch.randn(1, 2, 1, 16)
+    want = attnkit.paged_attention_blocks(qq, cache.k_pages, cache.v_pages, table, lens)
+    got = attnkit.paged_attention_blocks(qq, cache.k_pages, cache.v_pages, table.tolist(),
+                                         lens.tolist())
+    torch.testing.assert_close(got, want)
+
+
+# ---- document lengths that do not cover the sequence ---------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_document_lengths_must_cover_the_sequence(backend):
+    q = k = v = torch.randn(1, 2, 64, 8)
+    with pytest.raises(ValueError, match=r"sum to 40.*64 positions"):
+        attnkit.attention(q, k, v, mask=masks.document_from_lengths([20, 20]), backend=backend)
+    with pytest.raises(ValueError, match=r"document.*40.*64"):
+        attnkit.attention(q, k, v, mask=masks.document(torch.arange(40) // 20), backend=backend)
+
+
+# ---- varlen with per-sequence ALiBi slopes ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_varlen_takes_per_sequence_alibi_slopes(backend):
+    g = torch.Generator().manual_seed(6)
+    lens = [5, 9, 1, 7]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q, k, v = (torch.randn(t, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    slopes = torch.rand(len(lens), 4, generator=g, dtype=torch.float64)
+    out = attnkit.varlen_attention(q, k, v, cu, cu, causal=True, alibi_slopes=slopes,
+                                   backend=backend)
+    for s, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref = attention_reference(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                  v[a:b].transpose(0, 1), causal=True, alibi_slopes=slopes[s])
+        torch.testing.assert_close(out[a:b].transpose(0, 1), ref)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+# ---- scales, dropout_p = 1 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [-0.125, -1.0, 0.0, 2.5])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_any_finite_scale_matches_torch_and_the_oracle(scale, backend):
+    """float32 forward against torch's fused kernel (torch's math path, which it takes for
+    float64 or with gradients, computes sqrt(scale) and gives NaN for a negative one);
+    float64 forward and gradients against the oracle."""
+    q, k, v = (rand(2, 2, n, 16, dtype=torch.float32) for n in (11, 17, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(attnkit.attention(q, k, v, scale=scale, backend=backend),
+                                   F.scaled_dot_product_attention(q, k, v, scale=scale),
+                                   atol=2e-5, rtol=2e-5)
+    q, k, v = (rand(2, 2, n, 16, requires_grad=True) for n in (11, 17, 17))
+    for kw in ({}, {"causal": True}):
+        out = attnkit.attention(q, k, v, scale=scale, backend=backend, **kw)
+        want = attention_reference(q, k, v, scale=scale, **kw)
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+        for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)),
+                        torch.autograd.grad(want.sum(), (q, k, v))):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan")])
+def test_non_finite_scale_is_refused(scale):
+    q = k = v = torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="scale.*finite"):
+        attnkit.attention(q, k, v, scale=scale)
+
+
+def test_dropout_p_one_drops_everything_like_torch():
+    q, k, v = (rand(2, 2, 6, 8, requires_grad=True) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    assert want.abs().max() == 0
+    out = attnkit.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    torch.testing.assert_close(out, want)
+    out2 = attnkit.attention(q, k, v, dropout_p=1.0, seed=3)
+    torch.testing.assert_close(out2, want)
+    for g in torch.autograd.grad(out2.sum(), (q, k, v)):
+        assert torch.equal(g, torch.zeros_like(g))

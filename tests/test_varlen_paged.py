@@ -198,7 +198,7 @@ _CQ, _CK = torch.tensor([0, 2, 5]), torch.tensor([0, 4, 7])
     ((torch.tensor([0, 2, 6]), _CK), {}, ValueError, ["cu_seqlens_q", "6", "5", "total"]),
     ((_CQ, torch.tensor([0, 4, 6])), {}, ValueError, ["cu_seqlens_kv", "6", "7"]),
     ((_CQ.float(), _CK), {}, TypeError, ["cu_seqlens_q", "int32", "float32"]),
-    (([0, 2, 5], _CK), {}, TypeError, ["cu_seqlens_q", "tensor", "list"]),
+    (([0, 2.5, 5], _CK), {}, TypeError, ["cu_seqlens_q", "tensor", "list"]),
     ((torch.tensor([0, 1, 2, 5]), _CK), {}, ValueError, ["3 sequences", "2", "agree"]),
     ((_CQ, _CK, 2), {}, ValueError, ["max_seqlen_q=2", "3"]),
     ((_CQ, _CK, None, 3), {}, ValueError, ["max_seqlen_kv=3", "4"]),

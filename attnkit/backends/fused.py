@@ -365,7 +365,7 @@ def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torc
         # -inf through the head-independent distances: inf * -slope, no per-head fill
         dist = (spec.aligned_rows(piece.q0, piece.q1) - j.view(1, 1, 1, -1)).abs_().to(dtype)
         dist = torch.where(vis, dist, torch.full((), float("inf"), dtype=dtype, device=dev))
-        return dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg(), vis.any(-1)
+        return dist * spec.alibi_rows(piece.q0, piece.q1).to(dtype).neg(), vis.any(-1)
     add, fresh = _additive(spec, piece.q0, piece.q1, j, piece.keys, dtype)
     if add is None and vis is None:
         return None, None
@@ -428,7 +428,7 @@ def _additive(spec: AttentionSpec, q0: int, q1: int, j: Tensor,
         tile = b.to(dtype)
     if spec.alibi_slopes is not None:
         dist = (spec.aligned_rows(q0, q1) - jj).abs_().to(dtype)
-        term = dist * spec.alibi_slopes.to(dtype).view(-1, spec.hq, 1, 1).neg()
+        term = dist * spec.alibi_rows(q0, q1).to(dtype).neg()
         tile, fresh = (term if tile is None else tile + term), True
     if spec.score_mod is not None:
         info = info_of(spec.score_mod)

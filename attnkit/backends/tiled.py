@@ -65,7 +65,7 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
     if spec.alibi_slopes is not None:
         j = torch.arange(k0, k1, device=s.device).view(1, 1, 1, -1)
         dist = (spec.aligned_rows(q0, q1) - j).abs_().to(s.dtype)
-        term = dist * spec.alibi_slopes.to(s.dtype).view(-1, spec.hq, 1, 1).neg()
+        term = dist * spec.alibi_rows(q0, q1).to(s.dtype).neg()
         s = s.add_(term) if inplace and term.shape == s.shape else s + term
     return s
 
@@ -77,6 +77,8 @@ def _apply_score_mod(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, 
 def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
                   dtype: torch.dtype) -> Optional[Tensor]:
     """Dropout multiplier tile keep / (1 - p), or None without dropout."""
+    if spec.dropout_p >= 1.0:  # every weight dropped
+        return torch.zeros((1, 1, 1, 1), dtype=dtype, device=spec.q.device)
     if spec.dropout_mask is not None:
         keep = slice_tile(spec.dropout_mask, q0, q1, k0, k1)
     elif spec.dropout_p > 0.0:
