@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .backends import tiled
 from .spec import AttentionSpec
 
 
@@ -36,7 +37,12 @@ class _AttentionFunction(torch.autograd.Function):
             dout = torch.zeros_like(out)
         if dlse is not None and not bool(dlse.any()):
             dlse = None
-        g = ctx.executor.backward(spec, ctx.plan, out, lse, dout, dlse)
+        executor, plan = ctx.executor, ctx.plan
+        if torch.is_grad_enabled() and executor is not tiled:
+            # create_graph=True: the tiled backward is written in differentiable torch ops
+            # (the fused kernel's backward has no derivative); same math, same result
+            executor, plan = tiled, tiled.make_executor_plan(spec)
+        g = executor.backward(spec, plan, out, lse, dout, dlse)
         need = ctx.needs_input_grad
         dbias = g.dbias.to(bias.dtype) if (g.dbias is not None and need[6]) else None
         dsinks = g.dsinks.to(sinks.dtype) if (g.dsinks is not None and need[7]) else None

@@ -53,10 +53,13 @@ def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: 
     if spec.softcap is not None:  # s arrives already divided by the cap (see q_tile)
         from .. import native
 
-        if not inplace:
-            s = s.clone()
-        if not native.softcap_forward_(s, spec.softcap):  # cap * tanh in one pass
-            s.tanh_().mul_(spec.softcap)
+        if torch.is_grad_enabled() and s.requires_grad:  # a differentiable backward
+            s = torch.tanh(s) * spec.softcap
+        else:
+            if not inplace:
+                s = s.clone()
+            if not native.softcap_forward_(s, spec.softcap):  # cap * tanh in one pass
+                s.tanh_().mul_(spec.softcap)
         inplace = True
     if spec.bias is not None:
         b = slice_tile(spec.bias, q0, q1, k0, k1)
@@ -291,13 +294,17 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
                     dparams: List[Optional[Tensor]]) -> Tensor:
     """Chain dS (w.r.t. the final scores) back through score_mod, bias and softcap to the
     scaled scores; accumulate dbias and the gradients of tensors the score_mod captured."""
+    graph = torch.is_grad_enabled()  # the caller differentiates this backward again
     if spec.score_mod is not None:
         params = spec.score_mod_params
         with torch.enable_grad():
-            x = pre_mod.detach().requires_grad_(True)
+            # on a differentiable backward, keep pre_mod's own graph (to q and k)
+            x = pre_mod if graph and pre_mod.requires_grad else (
+                pre_mod.detach().requires_grad_(True))
             y = _apply_score_mod(spec, x, q0, q1, k0, k1)
             if y.requires_grad:
-                grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True)
+                grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True,
+                                            create_graph=graph)
             else:  # the mod ignores the score and every tensor it reads is constant
                 grads = (None,) * (1 + len(params))
         # a mod that ignores the score (a constant or a table lookup) passes no gradient on
@@ -310,7 +317,7 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
     if spec.softcap is not None:  # raw is scale * q.k / cap: d(cap * tanh(raw)) / d raw
         from .. import native
 
-        fast = native.softcap_backward(ds, raw, spec.softcap)
+        fast = None if graph else native.softcap_backward(ds, raw, spec.softcap)
         if fast is not None:
             ds = fast
         else:
