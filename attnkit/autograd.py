@@ -15,21 +15,53 @@ from .spec import AttentionSpec
 
 class _AttentionFunction(torch.autograd.Function):
     """Inputs: q, k, v, bias, sinks and the tensors a score_mod captures. Outputs: out (input
-    dtype), lse and max_scores (compute dtype). lse is differentiable; max_scores is not."""
+    dtype), lse and max_scores (compute dtype). lse is differentiable; max_scores is not.
+
+    ``forward`` runs on the tensors it is given (so ``torch.func.grad`` / ``vjp`` see their
+    own unwrapped inputs), ``setup_context`` saves what the backward needs, ``vmap`` loops."""
 
     @staticmethod
-    def forward(ctx, spec: AttentionSpec, plan: Any, executor: ModuleType, q: Tensor,
+    def forward(spec: AttentionSpec, plan: Any, executor: ModuleType, q: Tensor,
                 k: Tensor, v: Tensor, bias: Optional[Tensor], sinks: Optional[Tensor],
                 *params: Tensor):
+        spec = replace(spec, q=q, k=k, v=v, bias=bias, sinks=sinks, score_mod_params=params)
         res = executor.forward(spec, plan)
-        out = res.out.to(q.dtype)
+        return res.out.to(q.dtype), res.lse, res.max_scores
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        spec, plan, executor, q, k, v, bias, sinks, *params = inputs
+        out, lse, mx = output
         ctx.spec, ctx.plan, ctx.executor = spec, plan, executor
-        ctx.save_for_backward(q, k, v, bias, sinks, out, res.lse, *params)
-        ctx.mark_non_differentiable(res.max_scores)
-        return out, res.lse, res.max_scores
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *params)
+        ctx.mark_non_differentiable(mx)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Optional[int], ...], spec: AttentionSpec, plan: Any,
+             executor: ModuleType, *tensors: Optional[Tensor]):
+        """``torch.func.vmap`` of the forward: one call per batch entry (the plan does not
+        depend on q, k, v), stacked along dim 0."""
+        dims = in_dims[3:]
+        outs = []
+        for i in range(info.batch_size):
+            sliced = [t if (t is None or d is None) else t.select(d, i)
+                      for t, d in zip(tensors, dims)]
+            outs.append(_AttentionFunction.apply(spec, plan, executor, *sliced))
+        return tuple(torch.stack(parts) for parts in zip(*outs)), (0, 0, 0)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "attnkit attention has no forward-mode derivative (torch.func.jvp, jacfwd, "
+            "hessian); use reverse mode: torch.func.grad, vjp, or torch.autograd")
 
     @staticmethod
     def backward(ctx, dout: Tensor, dlse: Optional[Tensor], _dmax: Optional[Tensor]):
+        if _is_batched(dout) or _is_batched(dlse):
+            raise NotImplementedError(
+                "attnkit attention's backward cannot run under torch.func.vmap (jacrev, "
+                "vmap(grad(f)), vmap over a vjp): loop over the batch instead, or use "
+                "torch.func.grad / vjp, or torch.autograd")
         q, k, v, bias, sinks, out, lse, *params = ctx.saved_tensors
         spec = replace(ctx.spec, q=q, k=k, v=v, bias=bias, sinks=sinks,
                        score_mod_params=tuple(params))
@@ -54,6 +86,24 @@ class _AttentionFunction(torch.autograd.Function):
                 g.dk.to(k.dtype) if need[4] else None,
                 g.dv.to(v.dtype) if need[5] else None,
                 dbias, dsinks, *dparams)
+
+
+def _is_batched(x: Optional[Tensor]) -> bool:
+    """Is ``x`` batched by torch.func.vmap at any of its functorch levels? (private API,
+    used where it exists; without it the backward's own shape error is what is seen)"""
+    ft = getattr(torch._C, "_functorch", None)
+    batched = getattr(ft, "is_batchedtensor", None)
+    wrapped = getattr(ft, "is_functorch_wrapped_tensor", None)
+    unwrap = getattr(ft, "get_unwrapped", None)
+    if x is None or batched is None or wrapped is None or unwrap is None:
+        return False
+    for _ in range(64):  # each functorch level wraps once
+        if batched(x):
+            return True
+        if not wrapped(x):
+            return False
+        x = unwrap(x)
+    return False
 
 
 def run(spec: AttentionSpec, executor: ModuleType,

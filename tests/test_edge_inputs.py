@@ -369,3 +369,45 @@ def test_dropout_p_one_drops_everything_like_torch():
     torch.testing.assert_close(out2, want)
     for g in torch.autograd.grad(out2.sum(), (q, k, v)):
         assert torch.equal(g, torch.zeros_like(g))
+
+
+# ---- torch.func ------------------------------------------------------------------------------
+
+
+def test_torch_func_grad_and_vjp_match_autograd():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(17, generator=g, dtype=torch.float64)
+
+    def f(q, k, v, t):
+        return attnkit.attention(q, k, v, causal=True,
+                                 score_mod=lambda s, b, h, i, j: s + t[i - j + 8]).pow(2).sum()
+
+    got = torch.func.grad(f, argnums=(0, 1, 2, 3))(q, k, v, table)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, table)]
+    want = torch.autograd.grad(f(*leaves), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    out, vjp = torch.func.vjp(lambda q: attnkit.attention(q, k, v), q)
+    dout = torch.randn_like(out)
+    qq = q.clone().requires_grad_()
+    (want_q,) = torch.autograd.grad(attnkit.attention(qq, k, v), (qq,), dout)
+    torch.testing.assert_close(vjp(dout)[0], want_q)
+
+
+def test_torch_func_vmap_of_the_forward():
+    q, k, v = (rand(3, 2, 9, 8) for _ in range(3))
+    out = torch.func.vmap(lambda a, b, c: attnkit.attention(a, b, c, causal=True))(q, k, v)
+    torch.testing.assert_close(out, attention_reference(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("transform", ["jacrev", "vmap_grad", "jvp", "jacfwd"])
+def test_unsupported_torch_func_transforms_are_one_clear_error(transform):
+    q, k, v = (rand(2, 2, 5, 8) for _ in range(3))
+    fn = lambda q: attnkit.attention(q, k, v)  # noqa: E731
+    run = {"jacrev": lambda: torch.func.jacrev(fn)(q),
+           "vmap_grad": lambda: torch.func.vmap(torch.func.grad(lambda x: fn(x).sum()))(q),
+           "jvp": lambda: torch.func.jvp(fn, (q,), (q,)),
+           "jacfwd": lambda: torch.func.jacfwd(fn)(q)}[transform]
+    with pytest.raises(NotImplementedError, match="attnkit attention"):
+        run()
