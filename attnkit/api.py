@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import backends
 from .autograd import run
-from .spec import AttentionSpec, build_spec
+from .spec import AttentionSpec, autocast_inputs, build_spec
 
 
 class AuxRequest(NamedTuple):
@@ -90,7 +90,9 @@ def attention(
     A row whose keys are all masked gives output 0, lse ``-inf`` and zero gradients. ``bias``
     (float, ``-inf`` allowed) gets a gradient summed back to its own shape; so do ``sinks``
     (``(Hq,)``: one extra logit per head in each row's softmax denominator, with no value) and
-    tensors a ``score_mod`` captures. float16/bfloat16 are computed in float32.
+    tensors a ``score_mod`` captures. float16/bfloat16 are computed in float32. Under
+    ``torch.autocast`` the floating inputs are cast to the autocast dtype first (torch's rule
+    for SDPA), so the output has that dtype. ``out`` is contiguous.
 
     Dropout: ``dropout_p`` drops each weight ``(b, h, i, j)`` when a Philox random keyed by
     ``seed``, ``offset`` and those coordinates is below ``dropout_p``, and scales kept weights
@@ -111,6 +113,7 @@ def attention(
     Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;
     ``weights`` is appended last with ``return_weights``.
     """
+    q, k, v, bias, sinks = autocast_inputs(q, k, v, bias, sinks)
     spec = build_spec(q, k, v, scale=scale, mask=mask, bias=bias, causal=causal, window=window,
                       diagonal=diagonal, score_mod=score_mod, softcap=softcap,
                       alibi_slopes=alibi_slopes, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
@@ -173,7 +176,7 @@ def _dense_weights(spec: AttentionSpec, lse: Tensor) -> Tensor:
     """Pre-dropout weights exp(S - lse), dense, without grad."""
     from .backends.tiled import dense_probabilities
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(spec.q.device.type, enabled=False):
         p = dense_probabilities(spec, lse.detach().reshape(spec.n, spec.hq, spec.lq))
     return p.to(spec.q.dtype).reshape(spec.output_shape(spec.lk))
 

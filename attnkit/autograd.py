@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, Optional, Tuple
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .backends import tiled
-from .spec import AttentionSpec
+from .spec import AttentionSpec, autocast_dtype
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -74,7 +75,8 @@ class _AttentionFunction(torch.autograd.Function):
             # create_graph=True: the tiled backward is written in differentiable torch ops
             # (the fused kernel's backward has no derivative); same math, same result
             executor, plan = tiled, tiled.make_executor_plan(spec)
-        g = executor.backward(spec, plan, out, lse, dout, dlse)
+        with _no_autocast(spec):
+            g = executor.backward(spec, plan, out, lse, dout, dlse)
         need = ctx.needs_input_grad
         dbias = g.dbias.to(bias.dtype) if (g.dbias is not None and need[6]) else None
         dsinks = g.dsinks.to(sinks.dtype) if (g.dsinks is not None and need[7]) else None
@@ -86,6 +88,15 @@ class _AttentionFunction(torch.autograd.Function):
                 g.dk.to(k.dtype) if need[4] else None,
                 g.dv.to(v.dtype) if need[5] else None,
                 dbias, dsinks, *dparams)
+
+
+def _no_autocast(spec: AttentionSpec) -> Any:
+    """Executors compute in the dtypes they choose: autocast (already applied to the inputs
+    by the front door) is switched off around them."""
+    device = spec.q.device.type
+    if autocast_dtype(device) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
 
 
 def _is_batched(x: Optional[Tensor]) -> bool:
@@ -112,8 +123,9 @@ def run(spec: AttentionSpec, executor: ModuleType,
     if spec.is_empty:
         return _empty(spec)
     plan = plan if plan is not None else executor.make_executor_plan(spec)
-    return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v, spec.bias,
-                                    spec.sinks, *spec.score_mod_params)
+    with _no_autocast(spec):
+        return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v,
+                                        spec.bias, spec.sinks, *spec.score_mod_params)
 
 
 def _empty(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:

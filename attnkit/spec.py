@@ -502,6 +502,34 @@ def check_score_mod_gradients(score_mod: Callable[..., Tensor], params: Sequence
             f"table=table)), or detach it if it needs no gradient")
 
 
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype torch's autocast casts to on ``device_type`` now, or None when it is off."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        enabled = (torch.is_autocast_cpu_enabled() if device_type == "cpu"
+                   else torch.is_autocast_enabled())
+    if not enabled:
+        return None
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except AttributeError:  # torch < 2.4
+        return (torch.get_autocast_cpu_dtype() if device_type == "cpu"
+                else torch.get_autocast_gpu_dtype())
+
+
+def autocast_inputs(*xs: Any) -> Tuple[Any, ...]:
+    """torch's autocast convention for SDPA (a lower-precision op): under an enabled
+    ``torch.autocast`` every floating tensor argument but float64 is cast to the autocast dtype
+    (q, k, v, an additive bias, sinks), so the call computes and returns in that dtype."""
+    q = xs[0]
+    dtype = autocast_dtype(q.device.type) if isinstance(q, Tensor) else None
+    if dtype is None:
+        return xs
+    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point()
+                 and x.dtype != torch.float64 else x for x in xs)
+
+
 def _causal_bias_class() -> Optional[type]:
     """torch's ``CausalBias`` (``torch.nn.attention.bias``, torch >= 2.2), or None."""
     try:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .api import _execute
 from .mods import remap
-from .spec import build_spec
+from .spec import autocast_inputs, build_spec
 
 
 def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
@@ -67,6 +67,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim); got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    q, k, v = autocast_inputs(q, k, v)
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     cu_k = _check_cu("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device)
     if cu_q.numel() != cu_k.numel():

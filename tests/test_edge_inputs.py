@@ -411,3 +411,60 @@ def test_unsupported_torch_func_transforms_are_one_clear_error(transform):
            "jacfwd": lambda: torch.func.jacfwd(fn)(q)}[transform]
     with pytest.raises(NotImplementedError, match="attnkit attention"):
         run()
+
+
+# ---- torch.autocast --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"softcap": 5.0},
+                                {"bias": "float"}, {"mask": "bool"}])
+def test_autocast_follows_torch_sdpa(kw):
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 33, 16, generator=g, requires_grad=True) for _ in range(3))
+    kw = dict(kw)
+    if kw.get("bias") == "float":
+        kw["bias"] = torch.randn(33, 33, generator=g)
+    if kw.get("mask") == "bool":
+        kw["mask"] = torch.rand(33, 33, generator=g) > 0.3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attnkit.attention(q, k, v, **kw)
+        if "softcap" not in kw:
+            want_dtype = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=kw.get("bias", kw.get("mask")),
+                is_causal=kw.get("causal", False)).dtype
+            assert out.dtype == want_dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16
+    cast = {key: (val.bfloat16() if isinstance(val, torch.Tensor) and val.is_floating_point()
+                  else val) for key, val in kw.items()}
+    same = attnkit.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **cast)
+    torch.testing.assert_close(out, same, atol=0, rtol=0)  # the same computation, bit for bit
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def test_autocast_in_varlen():
+    q = torch.randn(10, 2, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attnkit.varlen_attention(q, q, q, [0, 4, 10], [0, 4, 10], causal=True)
+    assert out.dtype == torch.bfloat16
+    b = q.bfloat16()
+    torch.testing.assert_close(out, attnkit.varlen_attention(b, b, b, [0, 4, 10], [0, 4, 10],
+                                                             causal=True), atol=0, rtol=0)
+
+
+def test_autocast_dtype_without_device_argument(monkeypatch):
+    """torch < 2.4 had no device argument: the fallback reads the CPU getters."""
+    from attnkit import spec as spec_module
+
+    def old_is_enabled(*args):
+        if args:
+            raise TypeError("is_autocast_enabled() takes 0 positional arguments")
+        return False
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", old_is_enabled)
+    monkeypatch.delattr(torch, "get_autocast_dtype")
+    monkeypatch.setattr(torch, "get_autocast_cpu_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(torch, "is_autocast_cpu_enabled", lambda: True)
+    assert spec_module.autocast_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(torch, "is_autocast_cpu_enabled", lambda: False)
+    assert spec_module.autocast_dtype("cpu") is None
