@@ -504,6 +504,8 @@ def check_score_mod_gradients(score_mod: Callable[..., Tensor], params: Sequence
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The dtype torch's autocast casts to on ``device_type`` now, or None when it is off."""
+    if device_type == "meta":
+        return None  # (no autocast there; attnkit refuses meta inputs with its own error)
     try:
         enabled = torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4: no device argument
