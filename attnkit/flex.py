@@ -25,6 +25,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor,
     ``kernel_options`` may hold ``{"backend": "auto" | "fused" | "tiled"}``; other keys are
     accepted for compatibility and ignored (there is nothing to tune or compile).
     Unlike torch on CPU, this runs eagerly without materialising the scores and has a backward.
+    The output is laid out in the query's stride order, as torch's (:func:`attnkit.attention`
+    returns a contiguous output).
     """
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(f"flex_attention takes 4-D (B, H, L, E) inputs; got query "
@@ -48,10 +50,21 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor,
     elif return_lse:
         request = AuxRequest(lse=True)
     if request is None:
-        return attention(query, key, value, scale=scale, mask=block_mask, score_mod=score_mod,
-                         backend=backend)
+        return _like_query(attention(query, key, value, scale=scale, mask=block_mask,
+                                     score_mod=score_mod, backend=backend), query)
     out, aux = attention(query, key, value, scale=scale, mask=block_mask, score_mod=score_mod,
                          return_aux=request, backend=backend)
+    out = _like_query(out, query)
     if return_aux is None:
         return out, aux.lse
     return out, AuxOutput(lse=aux.lse, max_scores=aux.max_scores)
+
+
+def _like_query(out: Tensor, query: Tensor) -> Tensor:
+    """``out`` laid out in ``query``'s stride order, as torch's FlexAttention returns it (a
+    ``(B, L, H, E)`` buffer viewed as ``(B, H, L, E)`` gives an output of that layout too)."""
+    if query.is_contiguous():
+        return out
+    order = sorted(range(4), key=lambda d: (-query.stride(d), d))  # outermost first
+    inverse = sorted(range(4), key=lambda d: order[d])
+    return out.permute(order).contiguous().permute(inverse)

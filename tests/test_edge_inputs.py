@@ -468,3 +468,26 @@ def test_autocast_dtype_without_device_argument(monkeypatch):
     assert spec_module.autocast_dtype("cpu") == torch.bfloat16
     monkeypatch.setattr(torch, "is_autocast_cpu_enabled", lambda: False)
     assert spec_module.autocast_dtype("cpu") is None
+
+
+# ---- flex_attention's output layout ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (1, 0, 2, 3), (2, 1, 0, 3)])
+def test_flex_output_follows_the_query_stride_order(perm):
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    shape = (2, 3, 16, 8)
+    base = torch.randn(*[shape[p] for p in perm])
+    q = base.permute(*[perm.index(d) for d in range(4)])  # (2, 3, 16, 8), permuted strides
+    assert q.shape == shape and not q.is_contiguous()
+    k, v = torch.randn(2, 3, 16, 8), torch.randn(2, 3, 16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch_flex(q, k, v)
+    out = attnkit.flex_attention(q, k, v)
+    assert out.stride() == want.stride(), (out.stride(), want.stride())
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert attnkit.attention(q, k, v).is_contiguous()
