@@ -156,7 +156,10 @@ def test_ctrl_c_during_a_benchmark_run(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "bench", "--only", "causal_1k", "--repeat", "50",
          "--no-memory", "--peers", "attnkit,naive"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        # as from a terminal, even where this process was started with Ctrl-C ignored (a
+        # background job): the child would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stdout.readline()  # printed once the run has started (stdout is a pipe)
         assert first.startswith("attnkit bench"), first
