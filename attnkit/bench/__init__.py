@@ -9,7 +9,7 @@ Usage (``python -m attnkit.bench`` takes the same options)::
                   [--no-malloc-tune] [--list]
     attnkit bench --distributed [--json PATH]
 
-Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about a minute on 2 cores, float32, no
+Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about 100 s on 2 cores, float32, no
 compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
 ``standard`` (the suite the README's performance figures come from; float32 and bfloat16,
 every peer), ``long`` (``standard`` plus 32k-64k contexts).
@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence
 __all__ = ["DESCRIPTION", "QUICK_TIME", "SUITE_DEFAULTS", "add_arguments", "main",
            "run_from_args"]
 
-QUICK_TIME = "about a minute on 2 cores"
+QUICK_TIME = "about 100 s on 2 cores"
 """How long ``--suite quick`` takes on a fresh 2-core machine (measured: README, Benchmark)."""
 
 DESCRIPTION = (

@@ -19,7 +19,7 @@ Shape legend (the same for every peer)::
 
 Suites:
 
-* ``quick``    -- small shapes (L <= 1024), every workload once; about a minute on 2 cores.
+* ``quick``    -- small shapes (mostly L <= 1024), every workload once; about 100 s on 2 cores.
 * ``standard`` -- the suite the README's performance figures come from: B=1, H=8, d=64,
   L=4096..8192, a small call and a 32k-token memory check.
 * ``long``     -- ``standard`` plus long contexts (32k..64k tokens).
