@@ -16,8 +16,7 @@ from conftest import fa_tolerance_ok, naive_attention, rand, spy
 import attnkit
 from attnkit import native, paged
 from attnkit.paged import gather_kv, paged_attention_blocks
-from attnkit.reference import attention_reference, scores, visibility
-from attnkit.spec import build_spec
+from attnkit.reference import attention_reference, scores
 
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason=f"native kernel: {native.unavailable_reason()}")
@@ -45,12 +44,11 @@ def _oracle(q, kp, vp, table, lens, **kw):
     opts = {"causal": True, "diagonal": "bottom_right", **kw}
     k, v = gather_kv(kp, vp, table, lens)
     ref, ref_lse = attention_reference(q, k, v, seqlens_kv=lens, return_lse=True, **opts)
-    spec = build_spec(q, k, v, seqlens_kv=lens, **opts)
     if q.dtype == torch.float32:
         return ref, ref_lse, None
     # plain: the same score pipeline and softmax, rounded to the inputs' dtype at each step
-    s = scores(build_spec(q.double(), k.double(), v.double(), seqlens_kv=lens, **opts))
-    s = s.to(q.dtype).float().masked_fill(~visibility(spec), float("-inf"))
+    s, vis = scores(q, k, v, seqlens_kv=lens, **opts)
+    s = s.to(q.dtype).float().masked_fill(~vis, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
     plain = p @ v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     return ref, ref_lse, plain
@@ -144,7 +142,7 @@ def test_decode_with_a_window_mask_before_the_diagonal(lens, dtype, monkeypatch)
         assert calls  # padded decoding rows run in the kernel with the window's bounds
     tiled, tiled_lse = attnkit.attention(q, k, v, return_lse=True, backend="tiled", **kw)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kw)
-    vis = visibility(build_spec(q, k, v, **kw))
+    vis = scores(q, k, v, **kw)[1]
     assert vis.sum(-1).max() == 17 and vis[:, :, :, :283].sum() == 0
     plain = None if dtype == torch.float32 else naive_attention(q, k, v, mask=vis)
     # the kernel's LSE is float32 math; torch's kernels round half-precision scores
