@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import backends
 from .autograd import run
-from .spec import AttentionSpec, autocast_inputs, build_spec
+from .checks import autocast_inputs
+from .spec import AttentionSpec, Options, build_spec
 
 
 class AuxRequest(NamedTuple):
@@ -30,32 +31,9 @@ class AuxOutput(NamedTuple):
     dropout_mask: Optional[Tensor] = None
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: Optional[float] = None,
-    mask: Any = None,
-    bias: Optional[Tensor] = None,
-    causal: bool = False,
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-    diagonal: str = "top_left",
-    score_mod: Optional[Callable[..., Tensor]] = None,
-    softcap: Optional[float] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    seqlens_q: Optional[Tensor] = None,
-    seqlens_kv: Optional[Tensor] = None,
-    sinks: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    seed: Optional[int] = None,
-    offset: int = 0,
-    dropout_mask: Optional[Tensor] = None,
-    return_lse: bool = False,
-    return_aux: Optional[AuxRequest] = None,
-    return_weights: bool = False,
-    backend: str = "auto",
-) -> Any:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
+              return_aux: Optional[AuxRequest] = None, return_weights: bool = False,
+              backend: str = "auto", **options: Any) -> Any:
     """Scaled dot-product attention, ``softmax(scale * q k^T + bias, masked) v``.
 
     Shapes (read from the right; leading batch dims ``*B`` broadcast between q, k and v)::
@@ -113,22 +91,15 @@ def attention(
     Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;
     ``weights`` is appended last with ``return_weights``.
     """
-    q, k, v, bias, sinks = autocast_inputs(q, k, v, bias, sinks)
-    spec = build_spec(q, k, v, scale=scale, mask=mask, bias=bias, causal=causal, window=window,
-                      diagonal=diagonal, score_mod=score_mod, softcap=softcap,
-                      alibi_slopes=alibi_slopes, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-                      sinks=sinks, dropout_p=dropout_p, seed=seed, offset=offset,
-                      dropout_mask=dropout_mask)
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"return_aux must be an attnkit.AuxRequest; got "
                         f"{type(return_aux).__name__}")
-    want_max = return_aux is not None and return_aux.max_scores
-    if want_max and backend == "auto":
-        backend = "tiled"  # the fused kernel does not report row maxima
+    opts = Options.from_kwargs("attention", options)
+    q, k, v, bias, sinks = autocast_inputs(q, k, v, opts.bias, opts.sinks)
+    wanted = frozenset({"max_scores"}) if return_aux is not None and return_aux.max_scores else (
+        frozenset())
+    spec = build_spec(q, k, v, opts.merged(bias=bias, sinks=sinks), outputs=wanted)
     out, lse, mx = _execute(spec, backend)
-    if want_max and backend != "tiled":
-        raise NotImplementedError(f"return_aux max_scores needs backend='tiled' or 'auto'; "
-                                  f"got backend={backend!r}")
     results: Tuple[Any, ...] = (out,)
     if return_aux is not None:
         results += (AuxOutput(
@@ -192,11 +163,7 @@ class Grads(NamedTuple):
 
 
 def _explicit_spec(q: Tensor, k: Tensor, v: Tensor, options: dict) -> AttentionSpec:
-    options = dict(options)
-    for key in ("return_lse", "return_aux", "return_weights"):
-        if options.pop(key, None):
-            raise TypeError(f"{key} is not an option of attention_forward/backward")
-    return build_spec(q, k, v, **options)
+    return build_spec(q, k, v, Options.from_kwargs("attention_forward/backward", options))
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
@@ -209,7 +176,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
     spec = _explicit_spec(q.detach(), k.detach(), v.detach(), options)
     executor = backends.select(spec, backend)
     with torch.no_grad():
-        res = executor.forward(spec, executor.make_executor_plan(spec))
+        res = executor.forward(spec, executor.make_plan(spec))
     return (res.out.to(spec.q.dtype).reshape(spec.output_shape(spec.dv)),
             res.lse.reshape(spec.lse_shape()))
 
@@ -228,7 +195,7 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     executor = backends.select(spec, backend)
     canon = (spec.n, spec.hq, spec.lq)
     with torch.no_grad():
-        g = executor.backward(spec, executor.make_executor_plan(spec),
+        g = executor.backward(spec, executor.make_plan(spec),
                               out.reshape(*canon, spec.dv), lse.reshape(canon),
                               dout.reshape(*canon, spec.dv))
     dbias = None

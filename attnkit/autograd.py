@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from .backends import tiled
-from .spec import AttentionSpec, autocast_dtype
+from .checks import autocast_dtype
+from .spec import AttentionSpec
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -74,7 +75,7 @@ class _AttentionFunction(torch.autograd.Function):
         if torch.is_grad_enabled() and executor is not tiled:
             # create_graph=True: the tiled backward is written in differentiable torch ops
             # (the fused kernel's backward has no derivative); same math, same result
-            executor, plan = tiled, tiled.make_executor_plan(spec)
+            executor, plan = tiled, tiled.make_plan(spec)
         with _no_autocast(spec):
             g = executor.backward(spec, plan, out, lse, dout, dlse)
         need = ctx.needs_input_grad
@@ -122,7 +123,7 @@ def run(spec: AttentionSpec, executor: ModuleType,
     """Run ``spec`` on ``executor`` through the autograd node; canonical shapes out."""
     if spec.is_empty:
         return _empty(spec)
-    plan = plan if plan is not None else executor.make_executor_plan(spec)
+    plan = plan if plan is not None else executor.make_plan(spec)
     with _no_autocast(spec):
         return _AttentionFunction.apply(spec, plan, executor, spec.q, spec.k, spec.v,
                                         spec.bias, spec.sinks, *spec.score_mod_params)

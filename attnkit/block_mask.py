@@ -48,6 +48,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .checks import check_int
 from .masks import MaskMod, noop_mask, structure_of
 
 __all__ = [
@@ -82,23 +83,14 @@ def _cdiv(a: int, b: int) -> int:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: Any, minimum: int, fix: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be an int, got {type(value).__name__} ({value!r}). {fix}".rstrip())
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}. {fix}".rstrip())
-    return int(value)
-
-
 def _normalize_block_size(block_size: Any) -> tuple[int, int]:
     fix = "Pass an int (e.g. 128) or a (Q_BLOCK_SIZE, KV_BLOCK_SIZE) tuple."
     if isinstance(block_size, (tuple, list)):
         if len(block_size) != 2:
             raise ValueError(f"BLOCK_SIZE must have 2 entries, got {block_size!r}. {fix}")
-        return (_check_int("BLOCK_SIZE[0]", block_size[0], 1, fix),
-                _check_int("BLOCK_SIZE[1]", block_size[1], 1, fix))
-    size = _check_int("BLOCK_SIZE", block_size, 1, fix)
+        return (check_int("BLOCK_SIZE[0]", block_size[0], 1, fix=fix),
+                check_int("BLOCK_SIZE[1]", block_size[1], 1, fix=fix))
+    size = check_int("BLOCK_SIZE", block_size, 1, fix=fix)
     return (size, size)
 
 
@@ -367,7 +359,7 @@ class BlockMask:
         out = []
         for name, value, size in (("b", b, num.shape[0]), ("h", h, num.shape[1]),
                                   ("q_block", q_block, num.shape[2])):
-            value = _check_int(name, value, 0)
+            value = check_int(name, value, 0)
             if size == 1 and name != "q_block":
                 value = 0
             elif value >= size:
@@ -755,10 +747,10 @@ def create_block_mask(
     analytically, other masks are evaluated about 16M positions per call.
     """
     _check_mask_mod(mask_mod)
-    B = 1 if B is None else _check_int("B", B, 1, "Use None or 1 to broadcast over the batch.")
-    H = 1 if H is None else _check_int("H", H, 1, "Use None or 1 to broadcast over heads.")
-    q_len = _check_int("Q_LEN", Q_LEN, 0)
-    kv_len = _check_int("KV_LEN", KV_LEN, 0)
+    B = 1 if B is None else check_int("B", B, 1, fix="Use None or 1 to broadcast over the batch.")
+    H = 1 if H is None else check_int("H", H, 1, fix="Use None or 1 to broadcast over heads.")
+    q_len = check_int("Q_LEN", Q_LEN, 0)
+    kv_len = check_int("KV_LEN", KV_LEN, 0)
     block = _normalize_block_size(BLOCK_SIZE)
     device = torch.device(device)
     nq, nk = _cdiv(q_len, block[0]), _cdiv(kv_len, block[1])

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .api import attention_backward, attention_forward
+from .checks import check_window
 from .merge import merge_state
-from .mods import remap
+from .mods import find_captured_tensors, remap
 from .score_mods import alibi, compose
-from .spec import _check_window, find_captured_tensors
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -271,7 +271,7 @@ def _build_config(q: Tensor, group: Any, causal: Any, scale: Any, layout: Any, w
     layout = _check_layout(layout)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    left, right = _check_window(window)
+    left, right = check_window(window)
     lo = None if left is None else -left
     hi = right
     if causal:

@@ -66,14 +66,13 @@ and arguments. Formats (``None`` = unbounded where noted):
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from .checks import check_int, tensor_argument
 from .mods import Builtin, ModInfo, info_of
-from .spec import tensor_argument
 
 __all__ = [
     "MaskMod",
@@ -101,22 +100,6 @@ Diagonal = str  # "top_left" | "bottom_right"
 # --------------------------------------------------------------------------- validation
 
 
-def _check_int(
-    name: str, value: Any, minimum: int, *, allow_none: bool = False, fix: str = ""
-) -> Optional[int]:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        expected = "an int or None" if allow_none else "an int"
-        raise TypeError(
-            f"{name} must be {expected}, got {type(value).__name__} ({value!r}). {fix}".rstrip()
-        )
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}. {fix}".rstrip())
-    return value
-
-
 def _check_diagonal(
     diagonal: str, q_len: Any, kv_len: Any
 ) -> tuple[int, Optional[int], Optional[int]]:
@@ -125,8 +108,8 @@ def _check_diagonal(
         raise ValueError(
             f"diagonal must be 'top_left' or 'bottom_right', got {diagonal!r}. Use "
             "'bottom_right' to align the last query with the last key (KV-cache decoding).")
-    q_len = _check_int("q_len", q_len, 0, allow_none=True)
-    kv_len = _check_int("kv_len", kv_len, 0, allow_none=True)
+    q_len = check_int("q_len", q_len, 0, allow_none=True)
+    kv_len = check_int("kv_len", kv_len, 0, allow_none=True)
     if diagonal == "top_left":
         return 0, q_len, kv_len
     if q_len is None or kv_len is None:
@@ -258,8 +241,8 @@ def sliding_window(
                                        0 0 1 1 1                                     0 0 0 1 1
     """
     fix = "Use None for an unbounded side."
-    left = _check_int("left", left, 0, allow_none=True, fix=fix)
-    right = _check_int("right", right, 0, allow_none=True, fix=fix)
+    left = check_int("left", left, 0, allow_none=True, fix=fix)
+    right = check_int("right", right, 0, allow_none=True, fix=fix)
     offset, q_len, kv_len = _check_diagonal(diagonal, q_len, kv_len)
     lo = None if left is None else offset - left
     hi = None if right is None else offset + right
@@ -286,7 +269,7 @@ def prefix_lm(prefix_len: int) -> MaskMod:
                                1 1 1 0
                                1 1 1 1
     """
-    prefix_len = _check_int("prefix_len", prefix_len, 0)
+    prefix_len = check_int("prefix_len", prefix_len, 0)
 
     def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) | (kv_idx < prefix_len)
@@ -387,7 +370,7 @@ def chunked(chunk_size: int) -> MaskMod:
                              0 0 1 0
                              0 0 1 1
     """
-    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
 
     def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (q_idx // chunk_size == kv_idx // chunk_size) & (kv_idx <= q_idx)
@@ -408,9 +391,9 @@ def dilated_sliding_window(window: int, dilation: int) -> MaskMod:
                                                0 1 0 1 0
                                                0 0 1 0 1
     """
-    window = _check_int("window", window, 1, fix="A window of w keeps w keys (the query's own "
+    window = check_int("window", window, 1, fix="A window of w keeps w keys (the query's own "
                         "position included).")
-    dilation = _check_int("dilation", dilation, 1, fix="dilation=1 means no gaps.")
+    dilation = check_int("dilation", dilation, 1, fix="dilation=1 means no gaps.")
     reach = window * dilation
 
     def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

@@ -17,14 +17,17 @@ builtin stays a builtin through it, with its bias re-indexed the same way.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["Builtin", "ModInfo", "call_mask_mod", "call_score_mod", "info_of", "remap"]
+__all__ = ["Builtin", "ModInfo", "call_mask_mod", "call_score_mod", "check_score_mod_gradients",
+           "find_captured_tensors", "info_of", "remap"]
 
 IndexMap = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor, Tensor]]
 
@@ -154,3 +157,127 @@ def call_mask_mod(mod: Callable[..., Tensor], b: Tensor, h: Tensor, q_idx: Tenso
     tile = tuple(max(sizes) for sizes in zip(b.shape, h.shape, q_idx.shape, kv_idx.shape))
     _check_shape("mask_mod", mod, out, tile)
     return out
+
+
+#: Objects :func:`find_captured_tensors` visits at most (a guard against huge containers).
+_VISIT_LIMIT = 100_000
+
+
+def _code_names(code: Any) -> set:
+    """Global and attribute names a code object (and the functions nested in it) reads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def find_captured_tensors(fn: Any, _seen: Optional[set] = None) -> list:
+    """Tensors that require grad and that a mod can reach: its closure cells, default
+    arguments, the module globals its code names (and attributes it reads of global modules),
+    the functions it calls through those, ``functools.partial`` arguments, a bound method's
+    ``self`` or a callable object's attributes (``nn.Module`` parameters included), searched
+    through lists, tuples, sets and dicts. They become explicit inputs of the autograd node, so
+    gradients reach them."""
+    seen = set() if _seen is None else _seen
+    found: list = []
+
+    def visit(obj: Any) -> None:
+        if id(obj) in seen or len(seen) > _VISIT_LIMIT:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if obj.requires_grad:
+                found.append(obj)
+            return
+        if isinstance(obj, (type, types.ModuleType, str, bytes, int, float, complex, bool)):
+            return
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                visit(item)
+            return
+        if isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+            return
+        if isinstance(obj, functools.partial):
+            visit(obj.func)
+            visit(obj.args)
+            visit(obj.keywords)
+            return
+        if isinstance(obj, types.MethodType):
+            visit(obj.__self__)
+            visit(obj.__func__)
+            return
+        if isinstance(obj, types.FunctionType):
+            if (obj.__module__ or "").split(".")[0] == "torch":
+                return  # torch's own functions hold no user tensors
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents)
+                except ValueError:  # empty cell
+                    pass
+            visit(obj.__defaults__ or ())
+            visit(obj.__kwdefaults__ or {})
+            names = _code_names(obj.__code__)
+            for name in names:
+                value = obj.__globals__.get(name)
+                if isinstance(value, types.ModuleType):  # ``mod.table``: the attributes named
+                    for attr in names:
+                        visit(getattr(value, attr, None))
+                else:
+                    visit(value)
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):  # a callable object, nn.Module, attnkit builtin
+            visit(attrs)
+            for klass in type(obj).__mro__:
+                call = klass.__dict__.get("__call__")
+                if call is not None:
+                    visit(call)
+                    break
+
+    visit(fn)
+    unique, ids = [], set()
+    for t in found:
+        if id(t) not in ids:
+            ids.add(id(t))
+            unique.append(t)
+    return unique
+
+
+def check_score_mod_gradients(score_mod: Callable[..., Tensor], params: Sequence[Tensor],
+                              q: Tensor) -> None:
+    """Call ``score_mod`` once on a 1 x 1 tile and walk the autograd graph of its result: a
+    tensor that requires grad but is not among ``params`` (nor behind one of them) would get
+    no gradient, so raise one error that says which tensor and how to pass it."""
+    dev = q.device
+    score = torch.zeros((1, 1, 1, 1), dtype=q.dtype, device=dev, requires_grad=True)
+    idx = torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=dev)
+    try:
+        with torch.enable_grad():
+            out = score_mod(score, idx, idx, idx, idx)
+    except Exception:  # noqa: BLE001 - the real evaluation reports the mod's own error
+        return
+    if not isinstance(out, Tensor) or out.grad_fn is None:
+        return
+    known = {id(p) for p in params} | {id(score)}
+    stops = {p.grad_fn for p in params if p.grad_fn is not None}
+    stack, visited, missing = [out.grad_fn], set(), []
+    while stack and len(visited) < _VISIT_LIMIT:
+        node = stack.pop()
+        if node is None or node in visited or node in stops:
+            continue
+        visited.add(node)
+        var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(var, Tensor) and id(var) not in known:
+            missing.append(var)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if missing:
+        t = missing[0]
+        raise ValueError(
+            f"score_mod {getattr(score_mod, '__name__', type(score_mod).__name__)} uses a tensor "
+            f"that requires grad (shape {tuple(t.shape)}, {t.dtype}) that attnkit cannot reach "
+            f"from the function, so it would get no gradient; pass it through a closure, a "
+            f"default argument or functools.partial (e.g. def mod(score, b, h, q, kv, "
+            f"table=table)), or detach it if it needs no gradient")

@@ -20,11 +20,13 @@ dim, Lmax the longest sequence of the batch.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from .checks import check_int
+from .spec import Options, PagedKV, build_spec
 
 __all__ = ["PagedKVCache", "gather_kv", "OutOfPagesError", "UnknownSequenceError"]
 
@@ -38,14 +40,6 @@ class UnknownSequenceError(KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message with quotes around it
         return str(self.args[0]) if self.args else ""
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 class PagedKVCache:
@@ -79,12 +73,12 @@ class PagedKVCache:
         device: Union[str, torch.device] = "cpu",
         v_head_dim: Optional[int] = None,
     ) -> None:
-        self.num_pages = _positive_int("num_pages", num_pages)
-        self.page_size = _positive_int("page_size", page_size)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.v_head_dim = _positive_int("v_head_dim", head_dim if v_head_dim is None
-                                        else v_head_dim)
+        self.num_pages = check_int("num_pages", num_pages, 1)
+        self.page_size = check_int("page_size", page_size, 1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = check_int("head_dim", head_dim, 1)
+        self.v_head_dim = check_int("v_head_dim", head_dim if v_head_dim is None
+                                        else v_head_dim, 1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
         self.dtype = dtype
@@ -381,43 +375,47 @@ def gather_kv(
     return take(k_pages, Dk), take(v_pages, Dv)
 
 
+#: Options the paged front doors do not take, and why.
+UNSUPPORTED = {
+    "seqlens_q": "the queries are the last Lq positions of every sequence",
+    "seqlens_kv": "the cache holds every sequence's length",
+    "bias": "a bias needs a dense (Lq, Lk) grid; use score_mod",
+    "dropout_mask": "a keep mask needs a dense (Lq, Lk) grid; use dropout_p with a seed",
+}
+
+
 def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable], *,
-                    causal: bool = True, diagonal: str = "bottom_right",
-                    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                    softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                    scale: Optional[float] = None, return_lse: bool = False,
-                    backend: str = "auto") -> Any:
+                    return_lse: bool = False, backend: str = "auto", **options: Any) -> Any:
     """Attention of ``q (B, Hq, Lq, Dqk)`` over the cached keys/values of ``seq_ids`` (one
     batch row each). The queries are the last ``Lq`` positions of each sequence, already
-    appended (decode: Lq = 1; chunked prefill: Lq > 1), so the default is causal with the
-    bottom-right diagonal of each sequence's own length. Output ``(B, Hq, Lq, Dv)``.
+    appended (decode: Lq = 1; chunked prefill: Lq > 1), so the default is ``causal=True`` with
+    the bottom-right diagonal of each sequence's own length. Output ``(B, Hq, Lq, Dv)``.
 
-    How it runs (``backend="auto"``): up to 16 query rows without gradients go to the native
-    decode kernel, which reads the pages in place (:mod:`attnkit.native`); without it,
-    half-precision decoding reads the pages with batched matmuls; everything else gathers the
-    pages into contiguous K/V and runs :func:`attnkit.attention` (differentiable).
-    ``backend="native"`` forces the kernel (``NotImplementedError`` with the reasons when it
-    cannot run); ``"fused"``/``"tiled"`` gather and force that executor."""
+    Takes the options of :func:`attnkit.attention` (``window``, ``softcap``, ``alibi_slopes``,
+    ``sinks``, ``score_mod``, ``mask``, ``scale``, dropout ...) but those in
+    :data:`UNSUPPORTED`. How it runs (``backend="auto"``): the decode executor reads the pages
+    in place through the block table (:mod:`attnkit.backends.decode`: the native kernel, or
+    page-by-page matmuls without it) when it can run the call (up to 16 query rows, analytic
+    masks, no gradients); everything else gathers the pages into contiguous K/V and runs
+    :func:`attnkit.attention` (differentiable). ``backend="decode"`` forces the in-place path
+    (``NotImplementedError`` with the reasons when it cannot run); ``"fused"``/``"tiled"``
+    gather and force that executor."""
     block_table, seqlens = cache.block_table(seq_ids)
     return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
-                                  causal=causal, diagonal=diagonal, window=window,
-                                  softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                                  return_lse=return_lse, backend=backend)
+                                  return_lse=return_lse, backend=backend, **options)
 
 
-def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                           seqlens_kv: Tensor, *, causal: bool = True,
-                           diagonal: str = "bottom_right",
-                           window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                           softcap: Optional[float] = None,
-                           alibi_slopes: Optional[Tensor] = None,
-                           scale: Optional[float] = None, return_lse: bool = False,
-                           backend: str = "auto") -> Any:
+def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Any,
+                           seqlens_kv: Any, *, return_lse: bool = False, backend: str = "auto",
+                           **options: Any) -> Any:
     """:func:`paged_attention` on raw tensors (FlashAttention's ``block_table`` style):
     ``k_pages (num_pages, page_size, Hkv, Dqk)``, ``v_pages``, ``block_table (B, max_pages)``
-    and ``seqlens_kv (B,)``."""
-    from .api import attention
+    and ``seqlens_kv (B,)`` (tensors or lists)."""
+    from . import backends
+    from .api import _execute, attention
 
+    options = {"causal": True, "diagonal": "bottom_right", **options}
+    opts = Options.from_kwargs("paged_attention", options, UNSUPPORTED)
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, Dqk); got "
                          f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")
@@ -430,99 +428,26 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
         if isinstance(x, Tensor) and isinstance(k_pages, Tensor) and x.device != k_pages.device:
             raise ValueError(f"{name} is on {x.device} but the pages are on {k_pages.device}; "
                              f"move it with {name}.to(k_pages.device)")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2 or (
+            block_table.shape[0] != q.shape[0]):
         raise ValueError(f"block_table must be (B, max_pages) with B = {q.shape[0]} (q's batch); "
-                         f"got {tuple(block_table.shape)}")
-    if seqlens_kv.numel() and int(seqlens_kv.min()) < q.shape[2]:
-        raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
-                         f"(append them first); shortest has {int(seqlens_kv.min())}")
-    if backend in ("auto", "native"):
-        from . import native
-
-        reasons = native.decode_reasons(q, k_pages, v_pages)
-        if not reasons:
-            return _native_decode(q, k_pages, v_pages, block_table, seqlens_kv, causal=causal,
-                                  diagonal=diagonal, window=window, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, scale=scale,
-                                  return_lse=return_lse)
-        if backend == "native":
-            raise NotImplementedError("backend='native' cannot run this call: "
-                                      + "; ".join(reasons) + ". Use backend='auto' to let "
-                                      "attnkit choose.")
-        if _decode_fast_path_applies(q, k_pages, causal, diagonal, window, softcap,
-                                     alibi_slopes):
-            out, lse = _decode_on_pages(q, k_pages, v_pages, block_table, seqlens_kv, scale)
-            return (out, lse) if return_lse else out
-    k, v = gather_kv(k_pages, v_pages, block_table, seqlens_kv)
-    return attention(q, k, v, seqlens_kv=seqlens_kv, causal=causal, diagonal=diagonal,
-                     window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
-                     return_lse=return_lse, backend=backend)
-
-
-def _native_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                   seqlens_kv: Tensor, *, return_lse: bool, **options: Any) -> Any:
-    """The native kernel on the pages in place. Every option is validated and normalised by
-    the same :func:`~attnkit.spec.build_spec` as a dense call, on zero-stride stand-ins for
-    the gathered K/V (nothing is allocated)."""
-    from . import native
-    from .spec import build_spec
-
+                         f"got {tuple(getattr(block_table, 'shape', ()))}")
     lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
-    bsz, width = block_table.shape
-    _, page, hkv, d = k_pages.shape
-    lk = width * page
-    k_stub = k_pages.new_zeros(()).expand(bsz, hkv, lk, d)
-    v_stub = v_pages.new_zeros(()).expand(bsz, hkv, lk, v_pages.shape[3])
-    spec = build_spec(q, k_stub, v_stub, seqlens_kv=lens, **options)
-    out, lse = native.paged_decode(
-        q, k_pages, v_pages, block_table, lens, scale=spec.scale, causal=options["causal"],
-        diagonal=spec.diagonal, window=(spec.left, spec.right), softcap=spec.softcap,
-        alibi_slopes=spec.alibi_slopes)
-    out = out.to(q.dtype)
-    return (out, lse) if return_lse else out
-
-
-def _decode_fast_path_applies(q: Tensor, k_pages: Tensor, causal: bool, diagonal: str,
-                              window: Any, softcap: Any, alibi_slopes: Any) -> bool:
-    """One new token per sequence that sees all its keys, half precision, no gradient."""
-    sees_all = not causal or diagonal == "bottom_right"
-    return (q.shape[2] == 1 and q.dtype in (torch.bfloat16, torch.float16)
-            and k_pages.dtype == q.dtype and q.device.type == "cpu" and sees_all
-            and window is None and softcap is None and alibi_slopes is None
-            and not (torch.is_grad_enabled() and q.requires_grad)
-            and q.shape[1] % k_pages.shape[2] == 0)
-
-
-def _decode_on_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                     seqlens: Tensor, scale: Optional[float]) -> Tuple[Tensor, Tensor]:
-    """Decoding straight from the pages: each page is read in place as a strided batch of
-    heads (Hkv, tokens, D) for one batched matmul with the grouped queries (no gather, no copy
-    of K or V); scores and softmax in float32; the output accumulates page by page from P^T V.
-    Half-precision matmuls, as the inputs are."""
-    bsz, hq, _, d = q.shape
-    _, page, hkv, _ = k_pages.shape
-    dv = v_pages.shape[3]
-    g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    out = torch.zeros(bsz, hq, 1, dv, dtype=q.dtype, device=q.device)
-    lse = torch.full((bsz, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
-    for b in range(bsz):
-        length = int(seqlens[b])
-        if length == 0:
-            continue
-        pages = block_table[b, : -(-length // page)].tolist()
-        qh = (q[b, :, 0].float() * scale).to(q.dtype).view(hkv, g, d).transpose(1, 2)
-        # per page, heads as a strided batch: (Hkv, page, D) @ (Hkv, D, G), no copy of K
-        s = torch.cat([torch.bmm(k_pages[pg].permute(1, 0, 2), qh) for pg in pages], dim=1)
-        s = s[:, :length].float()  # (Hkv, L, G)
-        m = s.amax(1, keepdim=True)
-        p = torch.exp(s - m)
-        total = p.sum(1, keepdim=True)
-        lse[b, :, 0] = (m + torch.log(total)).view(hq)
-        pt = (p / total).to(q.dtype).transpose(1, 2)  # (Hkv, G, L)
-        o = torch.zeros(hkv, g, dv, dtype=torch.float32, device=q.device)
-        for idx, pg in enumerate(pages):
-            lo, hi = idx * page, min(length, (idx + 1) * page)
-            o += torch.bmm(pt[:, :, lo:hi], v_pages[pg, : hi - lo].permute(1, 0, 2)).float()
-        out[b, :, 0] = o.reshape(hq, dv).to(q.dtype)
-    return out, lse
+    if lens.numel() and int(lens.min()) < q.shape[2]:
+        raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
+                         f"(append them first); shortest has {int(lens.min())}")
+    if backend in ("auto", "decode"):
+        # the keys and values stay in their pages: the spec sees zero-stride stand-ins of the
+        # gathered shape, so every option is validated as for a dense call (nothing allocated)
+        bsz, width = block_table.shape
+        _, page, hkv, d = k_pages.shape
+        k_stub = k_pages.new_zeros(()).expand(bsz, hkv, width * page, d)
+        v_stub = v_pages.new_zeros(()).expand(bsz, hkv, width * page, v_pages.shape[3])
+        spec = build_spec(q, k_stub, v_stub, opts.merged(seqlens_kv=lens),
+                          paged=PagedKV(k_pages, v_pages, block_table.long()))
+        if backends.choose(spec, backend) is not None:
+            out, lse, _ = _execute(spec, backend)
+            return (out, lse) if return_lse else out
+    k, v = gather_kv(k_pages, v_pages, block_table, lens)
+    return attention(q, k, v, return_lse=return_lse, backend=backend,
+                     **dict(options, seqlens_kv=lens))

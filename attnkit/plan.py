@@ -18,8 +18,12 @@ import torch
 from torch import Tensor
 
 from .mods import call_mask_mod
+from .score_terms import index_grid, slice_tile
 from .spec import AttentionSpec
 
+#: Spec features the planner classifies tiles by and :func:`tile_visibility` evaluates.
+MASK_TERMS = frozenset({"window", "mask", "block_mask", "mask_mod", "seqlens_q", "seqlens_kv",
+                        "segments", "row_offset"})
 #: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
 TILE_ELEMENTS = 1 << 21
 #: Largest key tile of the tiled executor.
@@ -71,9 +75,7 @@ def choose_tiles(spec: AttentionSpec, budget: Optional[int] = None) -> Tuple[int
     """Tile sizes: a BlockMask's own blocks; otherwise key tiles of up to 512 and query tiles
     that keep one score tile within ``budget`` elements."""
     if spec.block_mask is not None:
-        bs = spec.block_mask.BLOCK_SIZE
-        bq, bk = (bs, bs) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
-        return bq, bk
+        return spec.block_mask.BLOCK_SIZE  # (always a pair: attnkit's BlockMask normalises it)
     budget = TILE_ELEMENTS if budget is None else budget
     lq, lk = max(spec.lq, 1), max(spec.lk, 1)
     bk = min(lk, MAX_KEY_TILE)
@@ -322,13 +324,6 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
 
 
 def _bh(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-    dev = spec.q.device
-    return (torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
-            torch.arange(spec.hq, device=dev).view(1, -1, 1, 1))
+    return index_grid(spec, 0, 0, 0, 0)[:2]
 
 
-def slice_tile(x: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-    """Slice a canonical 4-D mask/bias (dims 1 or full) to one tile, keeping broadcast dims."""
-    qs = slice(q0, q1) if x.shape[2] > 1 else slice(None)
-    ks = slice(k0, k1) if x.shape[3] > 1 else slice(None)
-    return x[:, :, qs, ks]

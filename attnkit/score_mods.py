@@ -38,8 +38,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .checks import tensor_argument
 from .mods import Builtin, ModInfo, info_of
-from .spec import tensor_argument
 
 __all__ = [
     "ScoreMod",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .api import _execute
+from .checks import autocast_inputs
 from .mods import remap
-from .spec import autocast_inputs, build_spec
+from .spec import Options, build_spec
 
 
 def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
@@ -43,14 +44,21 @@ def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
     return cu
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                     cu_seqlens_kv: Tensor, max_seqlen_q: Optional[int] = None,
-                     max_seqlen_kv: Optional[int] = None, *, causal: bool = False,
-                     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-                     diagonal: str = "top_left", score_mod: Optional[Callable] = None,
-                     softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
-                     scale: Optional[float] = None, return_lse: bool = False,
-                     backend: str = "auto") -> Any:
+#: Options varlen_attention does not take, and why.
+UNSUPPORTED = {
+    "mask": "packed positions are not one (Lq, Lk) grid; use score_mod (it sees positions "
+            "within each sequence) or one call per sequence",
+    "bias": "packed positions are not one (Lq, Lk) grid; use score_mod",
+    "seqlens_q": "cu_seqlens_q gives every sequence's length",
+    "seqlens_kv": "cu_seqlens_kv gives every sequence's length",
+    "dropout_mask": "packed positions are not one (Lq, Lk) grid; use dropout_p with a seed",
+}
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_kv: Any,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                     *, return_lse: bool = False, backend: str = "auto",
+                     **options: Any) -> Any:
     """Attention over packed sequences: sequence s holds query tokens
     ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key tokens ``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]``
     and attends only within itself.
@@ -60,9 +68,12 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     ``diagonal`` (bottom-right uses each sequence's own lengths), ALiBi, softcap and GQA apply
     per sequence; a ``score_mod`` sees ``b`` = the sequence index and positions *within* the
     sequence. ``alibi_slopes`` is ``(Hq,)`` or per sequence ``(num_seqs, Hq)`` (FlashAttention's
-    layout). Zero-length sequences are allowed; no work is spent across sequences beyond the
-    tiles that straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
+    layout). ``sinks`` and dropout (``dropout_p``, ``seed``) apply to every packed row. The
+    other options of :func:`attnkit.attention` but those in :data:`UNSUPPORTED` apply too.
+    Zero-length sequences are allowed; no work is spent across sequences beyond the tiles that
+    straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
     """
+    opts = Options.from_kwargs("varlen_attention", options, UNSUPPORTED)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim); got "
@@ -82,20 +93,19 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     seg_q = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_q)
     seg_k = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_k)
     shift = cu_k[:-1] - cu_q[:-1]  # query position -> aligned key position of its sequence
-    if diagonal == "bottom_right":
+    if opts.diagonal == "bottom_right":
         shift = shift + len_k - len_q
-    elif diagonal != "top_left":
-        raise ValueError(f"diagonal must be 'top_left' or 'bottom_right'; got {diagonal!r}")
-    mod = _local_score_mod(score_mod, seg_q, seg_k, cu_q, cu_k) if score_mod else None
-    hq = q.shape[1]
-    if isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2 and nseq > 1 and tuple(
-            alibi_slopes.shape) == (nseq, hq):  # per (sequence, head): each row its sequence's
-        alibi_slopes = alibi_slopes[seg_q].transpose(0, 1).unsqueeze(0)  # (1, Hq, Tq)
+    elif opts.diagonal != "top_left":
+        raise ValueError(f"diagonal must be 'top_left' or 'bottom_right'; got {opts.diagonal!r}")
+    mod = _local_score_mod(opts.score_mod, seg_q, seg_k, cu_q, cu_k) if opts.score_mod else None
+    slopes, hq = opts.alibi_slopes, q.shape[1]
+    if isinstance(slopes, Tensor) and slopes.dim() == 2 and nseq > 1 and tuple(
+            slopes.shape) == (nseq, hq):  # per (sequence, head): each row its sequence's
+        slopes = slopes[seg_q].transpose(0, 1).unsqueeze(0)  # (1, Hq, Tq)
     spec = build_spec(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                      v.transpose(0, 1).unsqueeze(0), scale=scale, causal=causal,
-                      window=window, score_mod=mod, softcap=softcap, alibi_slopes=alibi_slopes)
-    spec.segments_q, spec.segments_kv = seg_q, seg_k
-    spec.row_offset = shift[seg_q]
+                      v.transpose(0, 1).unsqueeze(0),
+                      opts.merged(score_mod=mod, alibi_slopes=slopes, diagonal="top_left"),
+                      segments=(seg_q, seg_k), row_offset=shift[seg_q])
     out, lse, _ = _execute(spec, backend)
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out

@@ -10,6 +10,7 @@ from conftest import rand, spy
 import attnkit
 from attnkit import backends
 from attnkit.backends import fused, tiled
+from attnkit.score_terms import relative_bias_tile
 from attnkit.spec import build_spec
 
 
@@ -28,12 +29,12 @@ def test_fused_kernel_runs_forward_and_backward(kw, monkeypatch):
 
 
 def test_tiled_runs_what_the_kernel_cannot():
-    q = torch.randn(1, 2, 8, 4)
+    q = torch.randn(1, 2, 40, 4)
     for kw in (dict(softcap=3.0), dict(dropout_p=0.2, seed=1),
                dict(score_mod=attnkit.score_mods.softcap(2.0))):
         spec = build_spec(q, q, q, **kw)
         assert backends.select(spec) is tiled
-        assert fused.not_supported_reasons(spec)
+        assert backends.reasons(fused, spec)
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(5, 2)),
@@ -50,7 +51,7 @@ def test_fallback_without_the_kernel_gives_the_same_answer(kw, monkeypatch):
     monkeypatch.setattr(fused, "BWD_OP", None)
     spec = build_spec(q, k, v, **kw)
     assert backends.select(spec) is tiled
-    assert "no fused CPU flash kernel" in " ".join(fused.not_supported_reasons(spec))
+    assert "no fused CPU flash kernel" in " ".join(backends.reasons(fused, spec))
     out2 = attnkit.attention(q, k, v, **kw)
     grads2 = torch.autograd.grad(out2.sum(), (q, k, v))
     assert torch.allclose(out, out2, atol=1e-5)
@@ -96,11 +97,12 @@ def test_padded_batch_rows_run_on_their_true_lengths(kw, backend):
         assert torch.allclose(a, b, atol=1e-12)
 
 
-def test_decode_rows_use_the_matmul_path(monkeypatch):
+def test_decode_rows_run_on_the_decode_executor(monkeypatch):
     fwd = spy(monkeypatch, fused, "FWD_OP")
     g = torch.Generator().manual_seed(4)
     q, k = rand(2, 8, 1, 16, gen=g), rand(2, 2, 40, 16, gen=g)
-    out, lse = attnkit.attention(q, k, k, return_lse=True, backend="fused")
+    assert backends.select(build_spec(q, k, k)).CAPS.name == "decode"
+    out, lse = attnkit.attention(q, k, k, return_lse=True)
     ref, ref_lse = attnkit.attention_reference(q, k, k, return_lse=True)
     assert not fwd
     assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse, ref_lse, atol=1e-12)
@@ -112,9 +114,10 @@ def test_paged_decode_fast_path_matches_the_general_path(dtype, fresh_native):
     from conftest import fa_tolerance_ok, naive_attention
 
     from attnkit import paged
+    from attnkit.backends import decode
 
     fresh_native.setenv("ATTNKIT_NATIVE", "0")
-    calls = spy(fresh_native, paged, "_decode_on_pages")
+    calls = spy(fresh_native, decode, "_decode_on_pages")
     g = torch.Generator().manual_seed(5)
     cache = paged.PagedKVCache(12, 4, 2, 8, dtype=dtype)
     lengths = {"a": 9, "b": 4, "c": 13}
@@ -193,7 +196,7 @@ def test_relative_bias_tile_equals_the_gather(per_head, m):
     table = torch.randn(4, 2 * m - 1, generator=g) if per_head else torch.randn(2 * m - 1,
                                                                                 generator=g)
     for q0, q1, k0, k1 in [(0, 1, 0, 1), (10, 30, 5, 70), (64, 128, 0, 128), (0, 50, 49, 50)]:
-        tile = fused._relative_bias_tile(table, m, q0, q1, k0, k1, torch.float64)
+        tile = relative_bias_tile(table, m, q0, q1, k0, k1, torch.float64)
         i = torch.arange(q0, q1).view(-1, 1)
         j = torch.arange(k0, k1).view(1, -1)
         idx = (j - i).clamp(-(m - 1), m - 1) + (m - 1)

@@ -454,7 +454,7 @@ def test_autocast_in_varlen():
 
 def test_autocast_dtype_without_device_argument(monkeypatch):
     """torch < 2.4 had no device argument: the fallback reads the CPU getters."""
-    from attnkit import spec as spec_module
+    from attnkit import checks as spec_module
 
     def old_is_enabled(*args):
         if args:

@@ -14,7 +14,7 @@ import torch
 from conftest import fa_tolerance_ok, naive_attention, rand, spy
 
 import attnkit
-from attnkit import native, paged
+from attnkit import native
 from attnkit.paged import gather_kv, paged_attention_blocks
 from attnkit.reference import attention_reference, scores
 
@@ -93,7 +93,7 @@ def test_native_matches_the_oracle(name, lq, dtype):
     q, kp, vp, table, lens = _paged_problem(gen, lq=lq, dtype=dtype, lengths=[lq, 17, 40])
     kw = OPTIONS[name]
     out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
-                                      backend="native", **kw)
+                                      backend="decode", **kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     _check(out, lse, *_oracle(q, kp, vp, table, lens, **kw))
 
@@ -169,7 +169,7 @@ def test_paged_windows_match_tiled_and_the_oracle(kw, lq):
     gen = torch.Generator().manual_seed(38 + lq)
     q, kp, vp, table, lens = _paged_problem(gen, lq=lq, lengths=[300, 290, 17], d=64, dv=32)
     out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
-                                      backend="native", **kw)
+                                      backend="decode", **kw)
     tiled, tiled_lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
                                               backend="tiled", **kw)
     ref, ref_lse, _ = _oracle(q, kp, vp, table, lens, **kw)
@@ -255,7 +255,7 @@ def test_native_head_layouts(shape):
     gen = torch.Generator().manual_seed(21)
     q, kp, vp, table, lens = _paged_problem(gen, lq=2, **shape)
     out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
-                                      backend="native")
+                                      backend="decode")
     _check(out, lse, *_oracle(q, kp, vp, table, lens))
 
 
@@ -306,18 +306,18 @@ def test_split_choice():
 
 @needs_native
 def test_auto_runs_native_on_the_pages_and_gathers_for_gradients(monkeypatch):
-    calls = spy(monkeypatch, paged, "_native_decode")
+    calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(23)
     q, kp, vp, table, lens = _paged_problem(gen, lq=1)
     out = paged_attention_blocks(q, kp, vp, table, lens)
     assert len(calls) == 1
     ref, _, _ = _oracle(q, kp, vp, table, lens)
     assert (out.double() - ref).abs().max() < 2e-6
-    # inputs that need a gradient take the differentiable gather path (whose fused executor
-    # still runs its forward in the kernel, see test_dense_decode_runs_native_with_gradients)
+    # inputs that need a gradient take the differentiable gather path (whose decode executor
+    # still runs its forward in the kernel, on the gathered K/V)
     q.requires_grad_(True)
     out = paged_attention_blocks(q, kp, vp, table, lens)
-    assert len(calls) == 1 and out.requires_grad
+    assert len(calls) == 2 and out.requires_grad
     (dq,) = torch.autograd.grad(out.sum(), q)
     k, v = gather_kv(kp, vp, table, lens)
     qd = q.detach().double().requires_grad_(True)
@@ -327,20 +327,25 @@ def test_auto_runs_native_on_the_pages_and_gathers_for_gradients(monkeypatch):
     assert (dq.double() - rq).abs().max() < 1e-5
 
 
-def test_forced_native_says_why_not():
+def test_forced_decode_says_why_not():
+    """backend="decode" runs the decode executor: the kernel where it can, its torch
+    fallback where the kernel cannot (float64, head dims not multiples of 16), and a clear
+    reason where the executor cannot run at all."""
     gen = torch.Generator().manual_seed(24)
-    q, kp, vp, table, lens = _paged_problem(gen, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="backend='native' cannot run.*float64"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    for kw in (dict(dtype=torch.float64), dict(d=24, dv=24)):
+        q, kp, vp, table, lens = _paged_problem(gen, **kw)
+        assert native.decode_reasons(q, kp, vp)  # (float64 / multiples of 16)
+        out, lse = paged_attention_blocks(q, kp, vp, table, lens, backend="decode",
+                                          return_lse=True)
+        _check(out, lse, *_oracle(q, kp, vp, table, lens), lse_atol=1e-5)
     q, kp, vp, table, lens = _paged_problem(gen, d=24, dv=24)
-    with pytest.raises(NotImplementedError, match="multiples of 16; got Dqk=24"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+    assert "multiples of 16; got Dqk=24" in " ".join(native.decode_reasons(q, kp, vp))
     q, kp, vp, table, lens = _paged_problem(gen, lq=native.MAX_QUERY_ROWS + 1)
     with pytest.raises(NotImplementedError, match="decoding"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode")
     q.requires_grad_(True)
     with pytest.raises(NotImplementedError, match="no backward"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode")
 
 
 @needs_native
@@ -350,27 +355,29 @@ def test_bad_inputs_are_caught_before_the_kernel():
     bad = table.clone()
     bad[1, 0] = kp.shape[0]  # past the pool: must be a clear error, never a wild read
     with pytest.raises(ValueError, match=r"block_table\[1, 0\] = .* is not a page index"):
-        paged_attention_blocks(q, kp, vp, bad, lens, backend="native")
+        paged_attention_blocks(q, kp, vp, bad, lens, backend="decode")
     with pytest.raises(ValueError, match="seqlens must lie in"):
-        paged_attention_blocks(q, kp, vp, table, torch.tensor([5, 10_000]), backend="native")
+        paged_attention_blocks(q, kp, vp, table, torch.tensor([5, 10_000]), backend="decode")
     with pytest.raises(ValueError, match="window"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native", window=(-1, 0))
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode", window=(-1, 0))
     with pytest.raises(ValueError, match="softcap"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native", softcap=-2.0)
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode", softcap=-2.0)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native",
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode",
                                alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="number of query heads must be a multiple"):
-        paged_attention_blocks(q[:, :7], kp, vp, table, lens, backend="native")
+        paged_attention_blocks(q[:, :7], kp, vp, table, lens, backend="decode")
     # strided (non-contiguous) pages are read through their strides
     wide_k = torch.zeros(*kp.shape[:3], 2 * kp.shape[3])
     wide_k[..., ::2] = kp
     kv_strided = wide_k[..., ::2]
-    with pytest.raises(NotImplementedError, match="unit-stride"):
-        paged_attention_blocks(q, kv_strided, vp, table, lens, backend="native")
+    assert "unit-stride" in " ".join(native.decode_reasons(q, kv_strided, vp))
+    torch.testing.assert_close(  # (the decode executor's torch fallback reads them)
+        paged_attention_blocks(q, kv_strided, vp, table, lens, backend="decode"),
+        paged_attention_blocks(q, kp, vp, table, lens, backend="decode"))
     heads_first = kp.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
-    out = paged_attention_blocks(q, heads_first, vp, table, lens, backend="native")
-    assert torch.equal(out, paged_attention_blocks(q, kp, vp, table, lens, backend="native"))
+    out = paged_attention_blocks(q, heads_first, vp, table, lens, backend="decode")
+    assert torch.equal(out, paged_attention_blocks(q, kp, vp, table, lens, backend="decode"))
 
 
 @needs_native
@@ -440,9 +447,8 @@ def test_padded_decode_options_run_native(kw, monkeypatch):
 @needs_native
 @pytest.mark.parametrize("lq", [1, 2], ids=["decode", "two_rows"])
 def test_varlen_decoding_rows_run_native_with_gradients(lq, monkeypatch):
-    """Packed sequences with new rows (continuous batching): one decoding row each runs as one
-    kernel call over the packed K/V; with two rows, each sequence's unmasked piece runs in the
-    kernel and its causal square in torch's kernel."""
+    """Packed sequences with new rows (continuous batching): one or two decoding rows each
+    run as one kernel call over the packed K/V, causal within each sequence."""
     calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(32)
     lens_k = [5, 40, 1 + lq, 77]
@@ -452,7 +458,7 @@ def test_varlen_decoding_rows_run_native_with_gradients(lq, monkeypatch):
     k = rand(int(cu_k[-1]), 2, 32, gen=gen, dtype=torch.float32, requires_grad=True)
     v = rand(int(cu_k[-1]), 2, 16, gen=gen, dtype=torch.float32, requires_grad=True)
     out = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, diagonal="bottom_right")
-    assert len(calls) == (1 if lq == 1 else 4)  # decode: one call for all sequences
+    assert len(calls) == 1  # one kernel call for all sequences
     w = torch.linspace(-1, 1, 16)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     for b in range(4):
@@ -497,10 +503,11 @@ def test_disabled_native_falls_back(fresh_native):
     assert "unavailable" in native.describe()
     gen = torch.Generator().manual_seed(27)
     q, kp, vp, table, lens = _paged_problem(gen, lq=1, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="ATTNKIT_NATIVE=0"):
-        paged_attention_blocks(q, kp, vp, table, lens, backend="native")
-    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True)  # torch path
-    _check(out, lse, *_oracle(q, kp, vp, table, lens), lse_atol=1e-2)
+    assert "ATTNKIT_NATIVE=0" in " ".join(native.decode_reasons(q, kp, vp))
+    for backend in ("decode", "auto"):  # the decode executor's torch path
+        out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
+                                          backend=backend)
+        _check(out, lse, *_oracle(q, kp, vp, table, lens), lse_atol=1e-2)
 
 
 def _one_warning(record) -> str:
@@ -567,7 +574,7 @@ def test_unwritable_cache_folder_falls_back_to_a_temporary_folder(fresh_native, 
     assert oct(folder.stat().st_mode & 0o777) == oct(0o700)
     gen = torch.Generator().manual_seed(41)
     q, kp, vp, table, lens = _paged_problem(gen, lq=1)
-    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="native")
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="decode")
     _check(out, lse, *_oracle(q, kp, vp, table, lens))
     native._reset()  # the next process finds it there
     assert native.available() and native.build_info()["cached"]
@@ -612,7 +619,7 @@ def test_build_retries_without_march_native(fresh_native, tmp_path):
     assert "-march=native" not in native.build_info()["flags"]
     gen = torch.Generator().manual_seed(31)
     q, kp, vp, table, lens = _paged_problem(gen, lq=2, dtype=torch.bfloat16)
-    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="native")
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, backend="decode")
     _check(out, lse, *_oracle(q, kp, vp, table, lens))
 
 
@@ -671,20 +678,21 @@ def test_softcap_passes_agree_with_torch_and_the_oracle(fresh_native):
     dict(causal=True, diagonal="bottom_right", alibi_slopes=torch.linspace(0.1, 0.9, 8)),
 ], ids=["window", "bool_mask", "alibi"])
 def test_few_rows_with_masks_mix_native_and_fused_pieces(kw, small_tiles, monkeypatch):
-    """A few query rows over many keys with a mask: fully visible key runs go to the native
-    kernel, partial blocks to torch's masked kernel, merged by LSE; forward and gradients
-    against the oracle in float32."""
+    """A few query rows over many keys with a mask: analytic masks (a window, ALiBi) run in
+    the decode executor's native kernel, a bool mask on torch's masked kernel (fused, pieces
+    merged by LSE); forward and gradients against the oracle in float32, on both."""
     calls = spy(monkeypatch, native, "paged_decode")
     gen = torch.Generator().manual_seed(36)
     q = rand(2, 8, 4, 32, gen=gen, dtype=torch.float32, requires_grad=True)
     k = rand(2, 2, 150, 32, gen=gen, dtype=torch.float32, requires_grad=True)
     v = rand(2, 2, 150, 32, gen=gen, dtype=torch.float32, requires_grad=True)
-    out, lse = attnkit.attention(q, k, v, return_lse=True, backend="fused", **kw)
-    if "alibi_slopes" not in kw:  # additive terms keep every piece in the masked kernel
-        assert calls
     qd, kd, vd = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     ref, ref_lse = attention_reference(qd, kd, vd, return_lse=True, **kw)
-    _check(out, lse, ref, ref_lse, None)
-    for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)),
-                    torch.autograd.grad(ref.sum(), (qd, kd, vd))):
-        assert (g.double() - r).abs().max() < 1e-5
+    rgrads = torch.autograd.grad(ref.sum(), (qd, kd, vd))
+    for backend in ("auto", "fused"):
+        calls.clear()
+        out, lse = attnkit.attention(q, k, v, return_lse=True, backend=backend, **kw)
+        assert bool(calls) == (backend == "auto" and "mask" not in kw)
+        _check(out, lse, ref, ref_lse, None)
+        for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)), rgrads):
+            assert (g.double() - r).abs().max() < 1e-5

@@ -161,7 +161,7 @@ def test_non_finite_values_propagate_like_torch(case, layout, lq, dtype):
     if layout == "paged":
         kp, vp, table = _to_pages(k, v, lens, gen, fill=NAN)
         out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True,
-                                          backend="native")
+                                          backend="decode")
         split_out, split_lse = native.paged_decode(q, kp, vp, table, lens, scale=scale,
                                                    splits=3, threads=2)
     else:
@@ -222,7 +222,7 @@ def test_softcap_of_infinite_scores_is_finite(dtype):
     k[0, 0, 3, 9] = NAN
     kp, vp, table = _to_pages(k, v, lens, gen, fill=NAN)
     out, lse = paged_attention_blocks(q, kp, vp, table, lens, softcap=4.0, return_lse=True,
-                                      backend="native")
+                                      backend="decode")
     vis = _visibility(lens, 1, k.shape[2])
     ref, ref_lse, _ = _per_row_oracle(q, k, v, vis, softcap=4.0, causal=False)
     assert out[2].isfinite().all() and out[0, :4].isnan().all() and out[0, 4:].isfinite().all()

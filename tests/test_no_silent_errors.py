@@ -383,8 +383,9 @@ def _poison(q, k, v, case):
         k[0, 0, k.shape[2] // 3, 0] = float("inf")
     elif case == "neg_inf_k":
         k[0, 1, 1] = float("-inf")
-    elif case == "nan_v":
-        v[0, 0, v.shape[2] // 2, 1] = float("nan")
+    elif case == "nan_v":  # key 0: every row sees it, with or without the causal mask (a NaN
+        # value under a mask other than padding may or may not reach the rows that do not see it)
+        v[0, 0, 0, 1] = float("nan")
     return q, k, v
 
 

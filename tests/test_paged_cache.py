@@ -187,7 +187,7 @@ def test_bad_calls_raise_and_leave_state_unchanged():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
     (dict(page_size=-1), ValueError, "page_size must be >= 1"),
-    (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be a positive int"),
+    (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be an int"),
     (dict(v_head_dim=0), ValueError, "v_head_dim must be >= 1"),
     (dict(dtype=torch.int32), TypeError, "floating"),
 ])

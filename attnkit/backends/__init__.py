@@ -1,44 +1,61 @@
 """Executor registry.
 
-Each executor module declares ``NAME``, ``not_supported_reasons(spec) -> list[str]``,
-``forward(spec, plan)`` and ``backward(spec, plan, out, lse, dout, dlse)``. Selection walks
-:data:`PRIORITY`; a forced backend that cannot run a spec raises one ``NotImplementedError``
-listing its reasons, never a silent fallback.
+Each executor module declares ``CAPS`` (:class:`~attnkit.backends.base.Capabilities`: the spec
+features, dtypes, devices and sizes it runs), ``make_plan``, ``forward`` and ``backward``, and
+optionally ``extra_reasons(spec)``. Selection walks :data:`PRIORITY`; a forced backend that
+cannot run a spec raises one ``NotImplementedError`` listing its reasons, never a silent
+fallback. Adding an executor is its module and one line in :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..spec import AttentionSpec
-from . import fused, tiled
+from . import decode, fused, tiled
+from .base import not_supported_reasons
 
-REGISTRY: Dict[str, ModuleType] = {tiled.NAME: tiled, fused.NAME: fused}
-PRIORITY: List[str] = [fused.NAME, tiled.NAME]
+#: Executors by name, in the order ``backend="auto"`` tries them.
+REGISTRY: Dict[str, ModuleType] = {mod.CAPS.name: mod for mod in (decode, fused, tiled)}
+PRIORITY: List[str] = list(REGISTRY)
 BACKENDS = ("auto", *PRIORITY)
 
 
-def select(spec: AttentionSpec, backend: str = "auto") -> ModuleType:
-    """Pick the executor for ``spec``; ``backend`` forces one ("fused" or "tiled")."""
+def reasons(executor: ModuleType, spec: AttentionSpec) -> List[str]:
+    """Why ``executor`` cannot run ``spec`` (empty when it can)."""
+    return not_supported_reasons(executor, spec)
+
+
+def choose(spec: AttentionSpec, backend: str = "auto") -> Optional[ModuleType]:
+    """The executor for ``spec``, or None when none can run it (``backend`` forces one: a
+    forced executor that cannot run the spec raises ``NotImplementedError`` with its
+    reasons)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend != "auto":
         mod = REGISTRY[backend]
-        reasons = mod.not_supported_reasons(spec)
-        if reasons:
-            raise NotImplementedError(
-                f"backend={backend!r} cannot run this call: " + "; ".join(reasons)
-                + ". Use backend='auto' to let attnkit choose.")
+        why = reasons(mod, spec)
+        if why:
+            raise NotImplementedError(f"backend={backend!r} cannot run this call: "
+                                      + "; ".join(why) + ". Use backend='auto' to let attnkit "
+                                      "choose.")
         return mod
     for name in PRIORITY:
-        mod = REGISTRY[name]
-        if not mod.not_supported_reasons(spec):
-            return mod
-    raise NotImplementedError("no executor can run this call: " + "; ".join(
-        f"{n}: {', '.join(REGISTRY[n].not_supported_reasons(spec))}" for n in PRIORITY))
+        if not reasons(REGISTRY[name], spec):
+            return REGISTRY[name]
+    return None
+
+
+def select(spec: AttentionSpec, backend: str = "auto") -> ModuleType:
+    """Pick the executor for ``spec``; ``backend`` forces one (see :data:`BACKENDS`)."""
+    mod = choose(spec, backend)
+    if mod is None:
+        raise NotImplementedError("no executor can run this call: " + "; ".join(
+            f"{name}: {', '.join(why)}" for name, why in explain(spec).items()))
+    return mod
 
 
 def explain(spec: AttentionSpec) -> Dict[str, List[str]]:
     """Each executor's reasons for not running ``spec`` (empty list = it can)."""
-    return {name: REGISTRY[name].not_supported_reasons(spec) for name in PRIORITY}
+    return {name: reasons(REGISTRY[name], spec) for name in PRIORITY}

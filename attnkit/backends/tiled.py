@@ -1,10 +1,10 @@
 """The tiled executor: FlashAttention-2 forward and backward written with torch ops.
 
-It supports every feature of the spec. The forward walks query tiles and, for each, the key
-tiles that the plan says hold work, keeping an online softmax (running max ``m``, sum ``l`` and
-unnormalised output). It never holds more than one score tile per step. The backward recomputes
-each probability tile from the saved log-sum-exp, ``P = exp(S - lse)``, and forms
-``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse``.
+It runs every score term, mask term and option of the spec (not paged K/V). The forward walks
+query tiles and, for each, the key tiles that the plan says hold work, keeping an online
+softmax (running max ``m``, sum ``l`` and unnormalised output). It never holds more than one
+score tile per step. The backward recomputes each probability tile from the saved log-sum-exp,
+``P = exp(S - lse)``, and forms ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse``.
 
 Layout inside a tile: queries of the G = Hq / Hkv heads that share a key/value head are stacked,
 ``(N, Hkv, G * bq, D)``, so one matmul per tile serves grouped-query attention without copying
@@ -13,85 +13,30 @@ keys; the score tile is viewed as ``(N, Hq, bq, bk)`` to apply masks and score t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from ..mods import call_score_mod
-from ..plan import Plan, slice_tile, tile_visibility
+from ..plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
+from ..score_terms import (
+    TERMS,
+    apply_score_mod,
+    apply_terms,
+    dropout_tile,
+    safe_lse,
+    slice_tile,
+    softcap_grad,
+)
 from ..spec import AttentionSpec
+from .base import Capabilities, ForwardResult, Grads
 
-NAME = "tiled"
-
-
-def not_supported_reasons(spec: AttentionSpec) -> List[str]:
-    """The tiled executor runs every spec."""
-    return []
-
-
-@dataclass
-class ForwardResult:
-    out: Tensor  # (N, Hq, Lq, Dv) compute dtype (or the input dtype)
-    lse: Tensor  # (N, Hq, Lq) compute dtype
-    max_scores: Tensor  # (N, Hq, Lq) compute dtype, -inf for rows with no visible key
-
-
-def _index_tensors(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int):
-    dev = spec.q.device
-    return (torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
-            torch.arange(spec.hq, device=dev).view(1, -1, 1, 1),
-            torch.arange(q0, q1, device=dev).view(1, 1, -1, 1),
-            torch.arange(k0, k1, device=dev).view(1, 1, 1, -1))
-
-
-def _score_terms(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int,
-                 inplace: bool) -> Tensor:
-    """Everything between the scaled scores and the score_mod: softcap, bias, ALiBi. With
-    ``inplace`` the tile ``s`` is overwritten (the forward needs no intermediate)."""
-    if spec.softcap is not None:  # s arrives already divided by the cap (see q_tile)
-        from .. import native
-
-        if torch.is_grad_enabled() and s.requires_grad:  # a differentiable backward
-            s = torch.tanh(s) * spec.softcap
-        else:
-            if not inplace:
-                s = s.clone()
-            if not native.softcap_forward_(s, spec.softcap):  # cap * tanh in one pass
-                s.tanh_().mul_(spec.softcap)
-        inplace = True
-    if spec.bias is not None:
-        b = slice_tile(spec.bias, q0, q1, k0, k1)
-        s = s.add_(b) if inplace and b.dtype == s.dtype else s + b.to(s.dtype)
-        inplace = True
-    if spec.alibi_slopes is not None:
-        j = torch.arange(k0, k1, device=s.device).view(1, 1, 1, -1)
-        dist = (spec.aligned_rows(q0, q1) - j).abs_().to(s.dtype)
-        term = dist * spec.alibi_rows(q0, q1).to(s.dtype).neg()
-        s = s.add_(term) if inplace and term.shape == s.shape else s + term
-    return s
-
-
-def _apply_score_mod(spec: AttentionSpec, s: Tensor, q0: int, q1: int, k0: int, k1: int):
-    return call_score_mod(spec.score_mod, s, *_index_tensors(spec, q0, q1, k0, k1))
-
-
-def _dropout_tile(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
-                  dtype: torch.dtype) -> Optional[Tensor]:
-    """Dropout multiplier tile keep / (1 - p), or None without dropout."""
-    if spec.dropout_p >= 1.0:  # every weight dropped
-        return torch.zeros((1, 1, 1, 1), dtype=dtype, device=spec.q.device)
-    if spec.dropout_mask is not None:
-        keep = slice_tile(spec.dropout_mask, q0, q1, k0, k1)
-    elif spec.dropout_p > 0.0:
-        from ..dropout import keep_mask
-
-        b, h, i, j = _index_tensors(spec, q0, q1, k0, k1)
-        keep = keep_mask(spec.seed, spec.offset, spec.dropout_p, b, h, i, j)
-    else:
-        return None
-    return keep.to(dtype) * (1.0 / (1.0 - spec.dropout_p))
+CAPS = Capabilities(
+    name="tiled",
+    features=TERMS | MASK_TERMS | {"sinks", "dropout", "dropout_mask", "max_scores"},
+    dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+    devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+)
 
 
 class _Tiles:
@@ -140,10 +85,10 @@ class _Tiles:
         s = self.mm_out(qt, self.k[:, :, k0:k1].transpose(-1, -2))
         s = s.view(self.n, self.hq, q1 - q0, k1 - k0)
         raw = s
-        s = _score_terms(spec, s, q0, q1, k0, k1, inplace=not keep)
+        s = apply_terms(spec, s, q0, q1, k0, k1, inplace=not keep)
         pre_mod = s
         if spec.score_mod is not None:
-            s = _apply_score_mod(spec, s, q0, q1, k0, k1)
+            s = apply_score_mod(spec, s, q0, q1, k0, k1)
         own = not keep and spec.score_mod is None  # s is a fresh tile nobody else holds
         if vis is not None:
             s = s.masked_fill_(~vis, float("-inf")) if own else s.masked_fill(~vis, float("-inf"))
@@ -190,7 +135,7 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
             p = s.sub_(m_safe).exp_() if own else torch.exp(s - m_safe)
             alpha = torch.exp(m - m_safe)
             l = l.mul_(alpha).add_(p.sum(-1, keepdim=True))
-            drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
+            drop = dropout_tile(spec, q0, q1, k0, k1, cd)
             if drop is not None:
                 p = p.view(n, hq, q1 - q0, k1 - k0).mul_(drop).view(n, t.hkv, rows, k1 - k0)
             acc = acc.mul_(alpha).add_(t.mm_out(p, t.v[:, :, k0:k1]))
@@ -210,16 +155,6 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
     return ForwardResult(out=out, lse=lse, max_scores=mx)
 
 
-@dataclass
-class Grads:
-    dq: Tensor
-    dk: Tensor
-    dv: Tensor
-    dbias: Optional[Tensor]
-    dsinks: Optional[Tensor]
-    dparams: Tuple[Optional[Tensor], ...]
-
-
 def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> Grads:
     """FlashAttention-2 backward: recompute P per tile from ``lse``; gradients in compute
@@ -232,8 +167,7 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
     delta = (dout_c * out_c).sum(-1)  # (N, Hq, Lq)
     if dlse is not None:
         delta = delta - dlse.to(cd)
-    lse_c = lse.to(cd)
-    lse_safe = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+    lse_safe = safe_lse(lse.to(cd))
     dq = torch.zeros(n, hq, lq, spec.q.shape[-1], dtype=cd, device=dev)
     dk = torch.zeros(n, hkv, spec.lk, spec.k.shape[-1], dtype=cd, device=dev)
     dvv = torch.zeros(n, hkv, spec.lk, dv, dtype=cd, device=dev)
@@ -261,7 +195,7 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
             p = torch.exp(s.reshape(n, hkv, rows, k1 - k0) - lse_t)
             vt = t.v[:, :, k0:k1]
             dp = t.mm_out(do_t, vt.transpose(-1, -2))
-            drop = _dropout_tile(spec, q0, q1, k0, k1, cd)
+            drop = dropout_tile(spec, q0, q1, k0, k1, cd)
             if drop is not None:
                 shape4 = (n, hq, q1 - q0, k1 - k0)
                 p_drop = (p.view(shape4) * drop).view_as(p)
@@ -301,7 +235,7 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
             # on a differentiable backward, keep pre_mod's own graph (to q and k)
             x = pre_mod if graph and pre_mod.requires_grad else (
                 pre_mod.detach().requires_grad_(True))
-            y = _apply_score_mod(spec, x, q0, q1, k0, k1)
+            y = apply_score_mod(spec, x, q0, q1, k0, k1)
             if y.requires_grad:
                 grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True,
                                             create_graph=graph)
@@ -315,14 +249,7 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
     if dbias is not None:
         _accumulate_broadcast(dbias, ds, q0, q1, k0, k1)
     if spec.softcap is not None:  # raw is scale * q.k / cap: d(cap * tanh(raw)) / d raw
-        from .. import native
-
-        fast = None if graph else native.softcap_backward(ds, raw, spec.softcap)
-        if fast is not None:
-            ds = fast
-        else:
-            th = torch.tanh(raw)
-            ds = ds * (1.0 - th * th) * spec.softcap
+        ds = softcap_grad(ds, raw, spec.softcap)
     return ds
 
 
@@ -334,22 +261,12 @@ def _accumulate_broadcast(acc: Tensor, g: Tensor, q0: int, q1: int, k0: int, k1:
     slice_tile(acc, q0, q1, k0, k1).add_(g)
 
 
-def make_executor_plan(spec: AttentionSpec) -> Plan:
-    """The tiled executor's plan: tiles sized by :func:`attnkit.plan.choose_tiles`."""
-    from ..plan import make_plan
-
-    return make_plan(spec)
-
-
 def dense_probabilities(spec: AttentionSpec, lse: Tensor) -> Tensor:
     """Dense pre-dropout weights exp(S - lse), (N, Hq, Lq, Lk) in compute dtype."""
-    from ..plan import make_plan
-
     plan = make_plan(spec)
     t = _Tiles(spec, plan)
     p = torch.zeros(spec.n, spec.hq, spec.lq, spec.lk, dtype=t.cd, device=spec.q.device)
-    lse_c = lse.to(t.cd)
-    lse_safe = torch.where(torch.isneginf(lse_c), torch.full_like(lse_c, float("inf")), lse_c)
+    lse_safe = safe_lse(lse.to(t.cd))
     for qb in range(plan.nqb):
         q0, q1 = plan.q_range(qb)
         kbs = plan.key_blocks(qb)

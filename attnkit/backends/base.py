@@ -1,0 +1,99 @@
+"""What every executor shares: its result types, the protocol it implements and the
+capabilities it declares as data.
+
+An executor is a module with ``CAPS`` (a :class:`Capabilities`), ``make_plan(spec)``,
+``forward(spec, plan) -> ForwardResult`` and ``backward(spec, plan, out, lse, dout, dlse) ->
+Grads``, and optionally ``extra_reasons(spec)`` for conditions that are not plain data (a torch
+version, a kernel that could not be built). :func:`not_supported_reasons` compares a spec with
+the capabilities: every feature the spec uses that the executor does not declare is a reason,
+so a feature added to the spec later is refused until an executor says it runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, FrozenSet, List, Mapping, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+from ..spec import AttentionSpec
+
+
+@dataclass
+class ForwardResult:
+    out: Tensor  # (N, Hq, Lq, Dv) compute dtype (or the input dtype)
+    lse: Tensor  # (N, Hq, Lq) compute dtype
+    max_scores: Tensor  # (N, Hq, Lq) compute dtype, -inf for rows with no visible key
+
+
+@dataclass
+class Grads:
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dbias: Optional[Tensor]
+    dsinks: Optional[Tensor]
+    dparams: Tuple[Optional[Tensor], ...]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an executor runs, as data."""
+
+    name: str
+    features: FrozenSet[str]
+    dtypes: FrozenSet[torch.dtype]
+    devices: FrozenSet[str]
+    max_head_dim: Optional[int] = None
+    head_dim_multiple: int = 1
+    max_query_rows: Optional[int] = None  # Lq
+    max_rows_per_kv_head: Optional[int] = None  # Lq * Hq / Hkv
+    #: why a feature is not supported, for the error (feature -> reason)
+    why: Mapping[str, str] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    CAPS: Capabilities
+
+    def make_plan(self, spec: AttentionSpec) -> Any: ...
+
+    def forward(self, spec: AttentionSpec, plan: Any) -> ForwardResult: ...
+
+    def backward(self, spec: AttentionSpec, plan: Any, out: Tensor, lse: Tensor, dout: Tensor,
+                 dlse: Optional[Tensor] = None) -> Grads: ...
+
+
+def not_supported_reasons(executor: Any, spec: AttentionSpec) -> List[str]:
+    """Why ``executor`` cannot run ``spec`` (empty when it can): its capabilities against the
+    spec's features, dtype, device and sizes, then its own ``extra_reasons``."""
+    caps: Capabilities = executor.CAPS
+    reasons = []
+    for feature in sorted(spec.features() - caps.features):
+        why = caps.why.get(feature)
+        reasons.append(f"{caps.name} does not run {feature}" + (f" ({why})" if why else ""))
+    if spec.q.dtype not in caps.dtypes:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in caps.dtypes))
+        reasons.append(f"{caps.name} runs {names}; got {str(spec.q.dtype).replace('torch.', '')}")
+    if spec.q.device.type not in caps.devices:
+        reasons.append(f"{caps.name} runs on {', '.join(sorted(caps.devices))}; inputs are on "
+                       f"{spec.q.device}")
+    dims = (spec.dqk, spec.dv)
+    if caps.max_head_dim is not None and max(dims) > caps.max_head_dim:
+        reasons.append(f"{caps.name} runs head dims up to {caps.max_head_dim}; got Dqk="
+                       f"{spec.dqk}, Dv={spec.dv}")
+    if caps.head_dim_multiple > 1 and any(x % caps.head_dim_multiple for x in dims):
+        reasons.append(f"{caps.name} needs head dims that are multiples of "
+                       f"{caps.head_dim_multiple}; got Dqk={spec.dqk}, Dv={spec.dv}")
+    if caps.max_query_rows is not None and spec.lq > caps.max_query_rows:
+        reasons.append(f"{caps.name} is for decoding (Lq <= {caps.max_query_rows}); Lq="
+                       f"{spec.lq} is matmul work")
+    if (caps.max_rows_per_kv_head is not None
+            and spec.lq * spec.groups > caps.max_rows_per_kv_head):
+        reasons.append(f"{caps.name} runs up to {caps.max_rows_per_kv_head} query rows per "
+                       f"key/value head; got {spec.lq * spec.groups}")
+    extra: Optional[Callable[[AttentionSpec], List[str]]] = getattr(executor, "extra_reasons",
+                                                                    None)
+    if extra is not None:
+        reasons += extra(spec)
+    return reasons

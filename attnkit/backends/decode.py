@@ -1,0 +1,233 @@
+"""The decode executor: a few query rows per sequence over a long key/value cache.
+
+Decoding reads every cached key and value once per generated token, so it is bound by memory
+bandwidth: the native kernel (:mod:`attnkit.native`, ``decode.c``) reads K/V in place, front
+to back, once, and keeps the softmax in float32. This executor runs it on every form a decode
+step takes:
+
+- a contiguous cache ``k (N, Hkv, Lk, D)`` (each batch row read as one long page), with
+  right padding (``seqlens_kv``, each row on its own length), causal with either diagonal,
+  windows, ALiBi, softcap and sinks;
+- packed sequences (varlen, continuous batching): every sequence's keys read in place from
+  the packed K/V, in one call;
+- a paged cache (``spec.paged``: pages, block table and lengths), read through the block
+  table with no gather.
+
+Where the kernel cannot run (no compiler, ``ATTNKIT_NATIVE=0``, head dims not multiples of 16,
+float64), the same computation runs in torch ops: the tiled executor's forward, and for a paged
+cache the page-by-page matmuls of :func:`_decode_on_pages` (or a gather). The backward is the
+tiled executor's, from this forward's output and LSE (a paged cache has none: the paged front
+door gathers the pages when gradients are needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import native
+from ..score_terms import fold_sinks
+from ..spec import AttentionSpec
+from . import tiled
+from .base import Capabilities, ForwardResult, Grads
+
+CAPS = Capabilities(
+    name="decode",
+    features=frozenset({"window", "seqlens_kv", "alibi", "softcap", "sinks", "paged_kv",
+                        "segments", "row_offset"}),
+    dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
+    devices=frozenset({"cpu"}),
+    max_query_rows=native.MAX_QUERY_ROWS,
+    max_rows_per_kv_head=32,
+    why={"seqlens_q": "decoding rows are all real queries",
+         "score_mod": "the kernel evaluates no callable",
+         "mask": "the kernel takes analytic masks only", "mask_mod": "the kernel evaluates no "
+         "callable", "block_mask": "the kernel takes analytic masks only",
+         "bias": "the kernel takes no bias tensor", "dropout": "decoding has no dropout",
+         "max_scores": "the kernel does not report row maxima"},
+)
+
+
+def extra_reasons(spec: AttentionSpec) -> List[str]:
+    """Packed sequences only in their decoding form; a paged cache only without gradients."""
+    reasons = []
+    if spec.segments_q is not None and _packed_rows(spec) is None:
+        reasons.append("decode runs packed sequences (varlen) with the same number of query "
+                       "rows per sequence, all aligned alike; not document masks")
+    if spec.paged is not None and torch.is_grad_enabled() and spec.q.requires_grad:
+        reasons.append("decode has no backward over paged K/V (the paged front door gathers "
+                       "the pages when gradients are needed)")
+    return reasons
+
+
+def make_plan(spec: AttentionSpec) -> None:
+    """Nothing to plan: one kernel call reads every key."""
+    return None
+
+
+def forward(spec: AttentionSpec, plan: None) -> ForwardResult:
+    """One native kernel call (or the torch fallback); float32/float64 out and LSE."""
+    out_lse = _native(spec) if _kernel_runs(spec) else None
+    if out_lse is None:
+        return _fallback(spec)
+    out, lse = (x.to(spec.compute_dtype) for x in out_lse)
+    if spec.sinks is not None:
+        out, lse = fold_sinks(out, lse, spec.sinks)
+    return ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+
+
+def backward(spec: AttentionSpec, plan: None, out: Tensor, lse: Tensor, dout: Tensor,
+             dlse: Optional[Tensor] = None) -> Grads:
+    """The tiled executor's backward from this forward's out and LSE (exact: P is
+    recomputed from the LSE)."""
+    return tiled.backward(spec, tiled.make_plan(spec), out, lse, dout, dlse)
+
+
+def _no_max(lse: Tensor) -> Tensor:
+    return torch.full((), float("nan"), dtype=lse.dtype, device=lse.device).expand(lse.shape)
+
+
+# ---- the native kernel ---------------------------------------------------------------------
+
+
+def _kernel_runs(spec: AttentionSpec) -> bool:
+    if spec.q.dtype == torch.float64:
+        return False
+    k, v = (spec.paged.k_pages, spec.paged.v_pages) if spec.paged is not None else (spec.k,
+                                                                                   spec.v)
+    if spec.paged is None:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # token-major, as pages are
+    return not native.decode_reasons(spec.q.detach(), k.detach(), v.detach(), grad_ok=True)
+
+
+def _terms(spec: AttentionSpec) -> dict:
+    return {"causal": False, "diagonal": spec.diagonal, "window": (spec.left, spec.right),
+            "softcap": spec.softcap, "alibi_slopes": spec.alibi_slopes}
+
+
+def _native(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+    q = spec.q.detach()
+    if spec.paged is not None:
+        p = spec.paged
+        return native.paged_decode(q, p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv,
+                                   scale=spec.scale, **_terms(spec))
+    if spec.segments_q is not None:
+        return _native_packed(spec)
+    return native.dense_decode(q, spec.k.detach(), spec.v.detach(), spec.scale,
+                               seqlens=spec.seqlens_kv, **_terms(spec))
+
+
+def _packed_rows(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor, Tensor, int, str]]:
+    """Packed sequences in their decoding form: sorted segments, the same number of query
+    rows per sequence, every sequence aligned the same way (its queries the first or the last
+    positions of its keys). Returns ``(query rows, key starts, key lengths, rows per sequence,
+    diagonal)`` or None."""
+    if spec.row_offset is None or spec.n != 1:
+        return None
+    sq, sk = spec.segments_q, spec.segments_kv
+    if sq.numel() == 0 or bool((sq.diff() < 0).any()) or bool((sk.diff() < 0).any()):
+        return None
+    ids, counts = torch.unique_consecutive(sq, return_counts=True)
+    rows = int(counts[0])
+    if bool((counts != rows).any()):
+        return None
+    nseg = int(sk.max()) + 1 if sk.numel() else 0
+    if int(ids.max()) >= max(nseg, 1):
+        return None
+    k_counts = torch.bincount(sk, minlength=nseg)
+    k_starts = torch.cumsum(k_counts, 0) - k_counts
+    starts, lens = k_starts[ids], k_counts[ids]
+    first_row = torch.arange(0, sq.numel(), rows, device=sq.device)
+    local = first_row + spec.row_offset[first_row] - starts  # aligned position of row 0
+    if not bool(local.any()):
+        diagonal = "top_left"
+    elif torch.equal(local, lens - rows):
+        diagonal = "bottom_right"
+    else:
+        return None
+    return torch.arange(sq.numel(), device=sq.device), starts, lens, rows, diagonal
+
+
+def _native_packed(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+    """All packed sequences in one kernel call, each sequence's keys read in place (positions
+    within the sequence, as the spec's per-row alignment says)."""
+    found = _packed_rows(spec)
+    if found is None:
+        return None
+    idx, starts, lens, rows, diagonal = found
+    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
+    nseq = lens.numel()
+    qb = q[0].index_select(1, idx).view(spec.hq, nseq, rows, -1).transpose(0, 1)
+    table = torch.zeros(nseq, 1, dtype=torch.int64)
+    o, l = native.paged_decode(qb, k.transpose(1, 2), v.transpose(1, 2), table, lens,
+                               scale=spec.scale, starts=starts,
+                               **dict(_terms(spec), diagonal=diagonal))
+    out = torch.zeros(1, spec.hq, spec.lq, spec.dv, dtype=o.dtype, device=q.device)
+    lse = torch.full((1, spec.hq, spec.lq), float("-inf"), dtype=l.dtype, device=q.device)
+    out[0].index_copy_(1, idx, o.transpose(0, 1).reshape(spec.hq, -1, spec.dv))
+    lse[0].index_copy_(1, idx, l.transpose(0, 1).reshape(spec.hq, -1))
+    return out, lse
+
+
+# ---- torch fallback --------------------------------------------------------------------------
+
+
+def _fallback(spec: AttentionSpec) -> ForwardResult:
+    if spec.paged is not None:
+        if _pages_fast_path_applies(spec):
+            out, lse = _decode_on_pages(spec)
+            return ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
+        from ..paged import gather_kv
+
+        p = spec.paged
+        k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv,
+                         max_seqlen=spec.lk)
+        spec = replace(spec, k=k, v=v, paged=None)
+    return tiled.forward(spec, tiled.make_plan(spec))
+
+
+def _pages_fast_path_applies(spec: AttentionSpec) -> bool:
+    """One new token per sequence that sees all its keys, half precision."""
+    sees_all = spec.right is None or (spec.right >= 0 and spec.diagonal == "bottom_right")
+    return (spec.lq == 1 and spec.q.dtype in (torch.bfloat16, torch.float16)
+            and spec.paged.k_pages.dtype == spec.q.dtype and sees_all and spec.left is None
+            and spec.softcap is None and spec.alibi_slopes is None and spec.sinks is None)
+
+
+def _decode_on_pages(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """Decoding straight from the pages: each page is read in place as a strided batch of
+    heads (Hkv, tokens, D) for one batched matmul with the grouped queries (no gather, no copy
+    of K or V); scores and softmax in float32; the output accumulates page by page from P^T V.
+    Half-precision matmuls, as the inputs are."""
+    q, p = spec.q, spec.paged
+    k_pages, v_pages, block_table, seqlens = p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv
+    bsz, hq, _, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    dv = v_pages.shape[3]
+    g = hq // hkv
+    scale = spec.scale
+    out = torch.zeros(bsz, hq, 1, dv, dtype=torch.float32, device=q.device)
+    lse = torch.full((bsz, hq, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        length = int(seqlens[b])
+        if length == 0:
+            continue
+        pages = block_table[b, : -(-length // page)].tolist()
+        qh = (q[b, :, 0].float() * scale).to(q.dtype).view(hkv, g, d).transpose(1, 2)
+        # per page, heads as a strided batch: (Hkv, page, D) @ (Hkv, D, G), no copy of K
+        s = torch.cat([torch.bmm(k_pages[pg].permute(1, 0, 2), qh) for pg in pages], dim=1)
+        s = s[:, :length].float()  # (Hkv, L, G)
+        m = s.amax(1, keepdim=True)
+        e = torch.exp(s - m)
+        total = e.sum(1, keepdim=True)
+        lse[b, :, 0] = (m + torch.log(total)).view(hq)
+        pt = (e / total).to(q.dtype).transpose(1, 2)  # (Hkv, G, L)
+        o = torch.zeros(hkv, g, dv, dtype=torch.float32, device=q.device)
+        for idx, pg in enumerate(pages):
+            lo, hi = idx * page, min(length, (idx + 1) * page)
+            o += torch.bmm(pt[:, :, lo:hi], v_pages[pg, : hi - lo].permute(1, 0, 2)).float()
+        out[b, :, 0] = o.reshape(hq, dv)
+    return out, lse

@@ -1,0 +1,229 @@
+"""The fused executor's schedule: which calls of torch's fused kernel a spec needs.
+
+- no mask term and no additive term (or every pair visible): one call on the whole problem;
+- plain causal, either diagonal: at most two calls on the whole problem;
+- documents / packed sequences (sorted segments, optionally causal): one call per segment;
+- padded batches (seqlens): each batch row on its true lengths (:meth:`AttentionSpec.slice_batch`);
+- otherwise, per query block, the key blocks with work: a short contiguous footprint (a band)
+  is one masked call; long runs of *full* blocks go without a mask and the *partial* blocks get
+  one call on the gathered keys with an additive mask built from the spec's mask terms;
+  additive score terms (bias, ALiBi, additive score_mods) make one masked call over every key
+  block with work. Pieces merge by their LSE (:mod:`attnkit.backends.fused` runs them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..plan import MASK_TERMS, Plan, make_plan
+from ..score_terms import ADDITIVE_TERMS
+from ..spec import AttentionSpec
+
+#: Query (and key) block of the fused schedule.
+BLOCK = 256
+#: Largest additive-mask tile (elements) one masked call may build.
+MASK_ELEMENTS = 1 << 24
+
+
+def has_additive_terms(spec: AttentionSpec) -> bool:
+    return bool(spec.features() & ADDITIVE_TERMS)
+
+
+@dataclass
+class Piece:
+    """One fused call: query rows [q0, q1) against a set of keys."""
+
+    qb: int
+    q0: int
+    q1: int
+    keys: Optional[Tuple[int, int]]  # contiguous key range, or None with ``kbs`` gathered
+    kbs: Tuple[int, ...]  # key blocks (for masks and gathering)
+    masked: bool  # needs an additive mask built from the spec
+    causal: bool  # lone diagonal block: is_causal=True, no mask
+
+
+@dataclass
+class FusedPlan:
+    plan: Plan
+    pieces: List[Piece]
+    whole: bool  # one call on the whole problem, no mask
+    #: padded batches run row by row on their true lengths: (b, len_q, len_kv, spec, plan)
+    batches: Optional[List[Tuple[int, int, int, AttentionSpec, FusedPlan]]] = None
+
+
+def _splittable(spec: AttentionSpec) -> bool:
+    """Padded batches whose rows can run on their true lengths."""
+    f = spec.features()
+    return bool(f & {"seqlens_q", "seqlens_kv"}) and not f & {"block_mask", "segments",
+                                                             "row_offset"}
+
+
+def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
+    """The calls that run ``spec`` (see the module docstring)."""
+    if _splittable(spec):
+        plan = make_plan(spec, bq=BLOCK, bk=BLOCK)  # for a tiled backward, if one is needed
+        rows = []
+        for b in range(spec.n):
+            sq = spec.lq if spec.seqlens_q is None else int(spec.seqlens_q[b])
+            sk = spec.lk if spec.seqlens_kv is None else int(spec.seqlens_kv[b])
+            if sq and sk:
+                sub = spec.slice_batch(b, sq, sk)
+                rows.append((b, sq, sk, sub, make_fused_plan(sub)))
+        return FusedPlan(plan=plan, pieces=[], whole=False, batches=rows)
+    bs = BLOCK
+    if spec.block_mask is not None:
+        bq, bk = spec.block_mask.BLOCK_SIZE
+    else:
+        bq = bk = bs
+        if has_additive_terms(spec):  # keep the additive-mask tile bounded
+            rows = spec.n * spec.hq * max(spec.lk, 1)
+            bq = max(16, min(bs, MASK_ELEMENTS // rows))
+    if _unmasked(spec) and not has_additive_terms(spec) and spec.lq > 0 and spec.lk > 0:
+        plan = Plan(bq=spec.lq, bk=spec.lk, lq=spec.lq, lk=spec.lk,
+                    any=torch.ones(1, 1, dtype=torch.bool))  # one tile, nothing to plan
+        return FusedPlan(plan=plan, pieces=[], whole=True)
+    plan = make_plan(spec, bq=bq, bk=bk)
+    if (not has_additive_terms(spec) and bool(plan.any.all())
+            and all(bool(f.all()) for f in plan.term_full.values())):
+        return FusedPlan(plan=plan, pieces=[], whole=True)  # every pair turned out visible
+    pieces = _whole_causal(spec, plan)
+    if pieces is None:
+        pieces = _segment_pieces(spec, plan)
+    if pieces is not None:
+        return FusedPlan(plan=plan, pieces=pieces, whole=False)
+    pieces: List[Piece] = []
+    additive = has_additive_terms(spec)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        if additive:
+            pieces.append(_piece(plan, qb, kbs, masked=True))
+            continue
+        full = [kb for kb in kbs if _tile_full(plan, qb, kb)]
+        partial = [kb for kb in kbs if not _tile_full(plan, qb, kb)]
+        if partial and len(full) <= len(partial) and kbs[-1] - kbs[0] == len(kbs) - 1:
+            # a short contiguous footprint (a band): one masked call beats split + merge
+            pieces.append(_piece(plan, qb, kbs, masked=True))
+            continue
+        for run in _runs(full):
+            pieces.append(_piece(plan, qb, run, masked=False))
+        if partial:
+            causal = (len(partial) == 1 and _is_causal_diagonal(spec, plan, qb, partial[0]))
+            pieces.append(_piece(plan, qb, partial, masked=not causal, causal=causal))
+    return FusedPlan(plan=plan, pieces=pieces, whole=False)
+
+
+def _unmasked(spec: AttentionSpec) -> bool:
+    return not spec.features() & MASK_TERMS
+
+
+def _whole_causal(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
+    """Plain causal (either diagonal, aligned so that the last query sees the last key): at
+    most two calls on the whole problem, the keys every row sees and the causal square."""
+    if (set(plan.term_full) != {"band"} or has_additive_terms(spec) or spec.left is not None
+            or spec.right != 0 or spec.row_offset is not None):
+        return None
+    off = spec.diag_offset()
+    if not isinstance(off, int) or off + spec.lq != spec.lk or spec.lq == 0 or spec.lk == 0:
+        return None
+    return _causal_pieces(0, spec.lq, 0, spec.lk, off)
+
+
+def _causal_pieces(q0: int, q1: int, k0: int, k1: int, delta: int) -> List[Piece]:
+    """Queries [q0, q1) against keys [k0, k1) where local query i sees local keys
+    j <= i + delta, with delta + (q1 - q0) == k1 - k0: keys every row sees, then a causal
+    square."""
+    pieces = []
+    if delta > 0:
+        pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k0 + delta), kbs=(), masked=False,
+                            causal=False))
+    pieces.append(Piece(qb=-1, q0=q0 + max(0, -delta), q1=q1, keys=(k0 + max(delta, 0), k1),
+                        kbs=(), masked=False, causal=True))
+    return pieces
+
+
+def _segment_pieces(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
+    """Documents / packed sequences (sorted segment ids), optionally causal: one unmasked call
+    per segment (two with a bottom-right offset), so no work crosses a segment boundary."""
+    terms = set(plan.term_full)
+    if "segments" not in terms or not terms <= {"segments", "band"} or has_additive_terms(spec):
+        return None
+    band = "band" in terms
+    if band and (spec.left is not None or spec.right != 0):
+        return None
+    sq, sk = spec.segments_q, spec.segments_kv
+    if bool((sq.diff() < 0).any()) or bool((sk.diff() < 0).any()):
+        return None
+    ip = spec.aligned_rows().reshape(-1, spec.lq) if band else None
+    if ip is not None and ip.shape[0] != 1:
+        return None
+    kvals, kcounts = torch.unique_consecutive(sk, return_counts=True)
+    kstart = torch.cumsum(kcounts, 0) - kcounts
+    kranges = {int(v): (int(a), int(a + c)) for v, a, c in zip(kvals, kstart, kcounts)}
+    qvals, qcounts = torch.unique_consecutive(sq, return_counts=True)
+    pieces: List[Piece] = []
+    q0 = 0
+    for val, cnt in zip(qvals.tolist(), qcounts.tolist()):
+        q1 = q0 + cnt
+        keys = kranges.get(val)
+        if keys is None:
+            q0 = q1
+            continue
+        k0, k1 = keys
+        if not band:
+            pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k1), kbs=(), masked=False,
+                                causal=False))
+        else:
+            first, last = int(ip[0, q0]), int(ip[0, q1 - 1])
+            delta = first - k0
+            if last - first != q1 - 1 - q0:  # the diagonal is not one line in this segment
+                return None
+            if delta >= k1 - k0 - 1:
+                pieces.append(Piece(qb=-1, q0=q0, q1=q1, keys=(k0, k1), kbs=(), masked=False,
+                                    causal=False))
+            elif delta + (q1 - q0) == k1 - k0:
+                pieces.extend(_causal_pieces(q0, q1, k0, k1, delta))
+            else:
+                return None
+        q0 = q1
+    return pieces
+
+
+def _tile_full(plan: Plan, qb: int, kb: int) -> bool:
+    return all(bool(f[qb, kb]) for f in plan.term_full.values())
+
+
+def _runs(kbs: List[int]) -> List[List[int]]:
+    runs: List[List[int]] = []
+    for kb in kbs:
+        if runs and runs[-1][-1] == kb - 1:
+            runs[-1].append(kb)
+        else:
+            runs.append([kb])
+    return runs
+
+
+def _piece(plan: Plan, qb: int, kbs: List[int], masked: bool, causal: bool = False) -> Piece:
+    q0, q1 = plan.q_range(qb)
+    contiguous = all(b - a == 1 for a, b in zip(kbs, kbs[1:]))
+    keys = (plan.k_range(kbs[0])[0], plan.k_range(kbs[-1])[1]) if contiguous else None
+    return Piece(qb=qb, q0=q0, q1=q1, keys=keys, kbs=tuple(kbs), masked=masked, causal=causal)
+
+
+def _is_causal_diagonal(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> bool:
+    """The tile's visibility is exactly top-left causal within the tile (band term only)."""
+    if set(plan.term_full) != {"band"} or spec.right != 0 or spec.row_offset is not None:
+        return False
+    off = spec.diag_offset()
+    if not isinstance(off, int):
+        return False
+    q0, q1 = plan.q_range(qb)
+    k0, k1 = plan.k_range(kb)
+    if q0 + off != k0 or q1 - q0 != k1 - k0:
+        return False
+    return spec.left is None or spec.left >= (q1 - q0 - 1)
