@@ -10,6 +10,7 @@ from torch import Tensor
 from . import backends
 from .autograd import run
 from .checks import autocast_inputs
+from .score_terms import index_grid
 from .spec import AttentionSpec, Options, build_spec
 
 
@@ -131,12 +132,8 @@ def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:
     elif spec.dropout_p > 0.0:
         from .dropout import keep_mask
 
-        dev = spec.q.device
         keep = keep_mask(spec.seed, spec.offset, spec.dropout_p,
-                         torch.arange(spec.n, device=dev).view(-1, 1, 1, 1),
-                         torch.arange(spec.hq, device=dev).view(1, -1, 1, 1),
-                         torch.arange(spec.lq, device=dev).view(1, 1, -1, 1),
-                         torch.arange(spec.lk, device=dev).view(1, 1, 1, -1))
+                         *index_grid(spec, 0, spec.lq, 0, spec.lk))
         keep = keep.expand(spec.n, spec.hq, spec.lq, spec.lk)
     else:
         return None

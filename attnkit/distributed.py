@@ -40,10 +40,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .api import attention_backward, attention_forward
-from .checks import check_window
+from .checks import check_window, compute_dtype_of
 from .merge import merge_state
 from .mods import find_captured_tensors, remap
 from .score_mods import alibi, compose
+from .spec import Options
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -283,8 +284,7 @@ def _build_config(q: Tensor, group: Any, causal: Any, scale: Any, layout: Any, w
         if slopes.shape != (hq,):
             raise ValueError(f"alibi_slopes must have shape ({hq},) (one slope per query head) "
                              f"for ring_attention; got {tuple(slopes.shape)}")
-        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        mods.append(alibi(slopes.to(device=q.device, dtype=cd)))
+        mods.append(alibi(slopes.to(device=q.device, dtype=compute_dtype_of(q.dtype))))
     if score_mod is not None:
         if not callable(score_mod):
             raise TypeError(f"score_mod must be a callable (score, b, h, q_idx, kv_idx) -> "
@@ -402,10 +402,6 @@ def _check_shards(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, layout: str) -> 
             f"L_local={lq}. Pad the sequence to a multiple of 2 * world_size = {2 * ring.size}")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _output_shapes(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     if q.dim() == 2:
         return (q.shape[0], v.shape[-1]), (q.shape[0],)
@@ -417,7 +413,7 @@ def _output_shapes(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tuple[int, ...], Tu
 def _ring_forward(ring: _Ring, cfg: _Config, q: Tensor, k: Tensor,
                   v: Tensor) -> Tuple[Tensor, Tensor]:
     """Forward pass; records each step's calls in ``cfg.plans`` for the backward."""
-    cd = _compute_dtype(q.dtype)
+    cd = compute_dtype_of(q.dtype)
     out_shape, lse_shape = _output_shapes(q, k, v)
     out = torch.zeros(out_shape, dtype=cd, device=q.device)
     lse = torch.full(lse_shape, float("-inf"), dtype=cd, device=q.device)
@@ -512,23 +508,20 @@ class _RingAttention(torch.autograd.Function):
         return None, None, dq, dk, dv
 
 
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    group: Any = None,
-    causal: bool = False,
-    scale: Optional[float] = None,
-    layout: str = "contiguous",
-    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    softcap: Optional[float] = None,
-    score_mod: Optional[Callable[..., Tensor]] = None,
-    mask: Optional[Callable[..., Tensor]] = None,
-    return_lse: bool = False,
-    backend: str = "auto",
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+#: Options ring_attention does not take, and why.
+UNSUPPORTED = {
+    "bias": "a bias describes one local (Lq, Lk) grid; use score_mod with global positions",
+    "diagonal": "positions are global: the diagonal is top-left",
+    "seqlens_q": "pad the global sequence instead", "seqlens_kv": "pad the global sequence "
+    "instead", "sinks": "not yet carried around the ring", "dropout_p": "not yet replayed "
+    "around the ring", "seed": "no dropout", "offset": "no dropout",
+    "dropout_mask": "a keep mask describes one local grid",
+}
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
+                   layout: str = "contiguous", return_lse: bool = False,
+                   backend: str = "auto", **options: Any) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention over a sequence sharded across the ranks of ``group`` (ring attention).
 
     Call it on every rank of ``group`` (default: the default process group) with that rank's
@@ -545,6 +538,8 @@ def ring_attention(
     ``attnkit.attention(q_full, k_full, v_full, ...)`` with the same options, and gradients
     flow through one autograd node per rank: every rank must run the backward (it is a second
     ring pass), e.g. ``loss.backward()`` on each rank.
+
+    Takes the options of :func:`attnkit.attention` but those in :data:`UNSUPPORTED`.
 
     Args:
         layout: ``"contiguous"`` (rank r holds positions ``[r * L_local, (r + 1) * L_local)``)
@@ -565,9 +560,10 @@ def ring_attention(
         ValueError: shards differ in shape or dtype between ranks, q and k hold different
             lengths, an odd L_local with ``layout="zigzag"``, invalid options.
     """
+    opts = Options.from_kwargs("ring_attention", options, UNSUPPORTED)
     _check_tensors(q, k, v)
-    cfg = _build_config(q, group, causal, scale, layout, window, alibi_slopes, softcap,
-                        score_mod, mask, backend)
+    cfg = _build_config(q, group, opts.causal, opts.scale, layout, opts.window,
+                        opts.alibi_slopes, opts.softcap, opts.score_mod, opts.mask, backend)
     ring = _Ring(group)
     _check_shards(ring, q, k, v, cfg.layout)
     out, lse = _RingAttention.apply(ring, cfg, q, k, v)

@@ -226,10 +226,8 @@ def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
                      live: Tensor, cache: Dict[Tuple[int, int], Tensor]):
     """Evaluate the mask_mod once per query block row (only on key blocks other terms leave
     alive) to classify tiles; keep the partial tiles for the executor."""
-    dev = spec.q.device
     any_ = torch.zeros(nqb, nkb, dtype=torch.bool)
     full = torch.zeros(nqb, nkb, dtype=torch.bool)
-    b, h = _bh(spec)
     used = 0
     for qb in range(nqb):
         kbs = torch.nonzero(live[qb]).flatten().tolist()
@@ -237,9 +235,7 @@ def _mask_mod_status(spec: AttentionSpec, bq: int, bk: int, nqb: int, nkb: int,
             continue
         q0, q1 = qb * bq, min(spec.lq, (qb + 1) * bq)
         k_lo, k_hi = kbs[0] * bk, min(spec.lk, (kbs[-1] + 1) * bk)
-        i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
-        j = torch.arange(k_lo, k_hi, device=dev).view(1, 1, 1, -1)
-        row = call_mask_mod(spec.mask_mod, b, h, i, j)
+        row = call_mask_mod(spec.mask_mod, *index_grid(spec, q0, q1, k_lo, k_hi))
         row = row.expand(*row.shape[:-2], q1 - q0, k_hi - k_lo)  # results may broadcast
         for kb in kbs:
             c0, c1 = kb * bk - k_lo, min(spec.lk, (kb + 1) * bk) - k_lo
@@ -260,15 +256,13 @@ def range_visibility(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
                      terms: Sequence[str]) -> Optional[Tensor]:
     """The analytic terms (band, seqlens, segments, mask tensor) among ``terms`` on queries
     [q0, q1) and keys [k0, k1): bool broadcastable to (N, Hq, q1-q0, k1-k0), or None."""
-    dev = spec.q.device
     vis: Optional[Tensor] = None
 
     def both(x: Tensor) -> None:
         nonlocal vis
         vis = x if vis is None else vis & x
 
-    i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
-    j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
+    _, _, i, j = index_grid(spec, q0, q1, k0, k1)
     if "band" in terms:
         ip = spec.aligned_rows(q0, q1)
         if spec.left is not None:
@@ -299,9 +293,7 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
         nonlocal vis
         vis = x if vis is None else vis & x
 
-    i = torch.arange(q0, q1, device=dev).view(1, 1, -1, 1)
-    j = torch.arange(k0, k1, device=dev).view(1, 1, 1, -1)
-    b = h = None
+    b, h, i, j = index_grid(spec, q0, q1, k0, k1)
     if plan.needs("block_mask", qb, kb):
         listed = plan.block_tiles[0][:, qb, kb].to(dev)
         full = plan.block_tiles[1][:, qb, kb].to(dev)
@@ -309,21 +301,12 @@ def tile_visibility(spec: AttentionSpec, plan: Plan, qb: int, kb: int) -> Option
         listed = listed.view(nb, nh, 1, 1)
         full = full.view(nb, nh, 1, 1)
         if bool((listed & ~full).any()):
-            b, h = _bh(spec)
             both(listed & (full | call_mask_mod(spec.block_mask.mask_mod, b, h, i, j)))
         else:
             both(listed)
     if plan.needs("mask_mod", qb, kb):
         cached = plan.vis_cache.get((qb, kb))
         if cached is None:
-            if b is None:
-                b, h = _bh(spec)
             cached = call_mask_mod(spec.mask_mod, b, h, i, j)
         both(cached)
     return vis
-
-
-def _bh(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-    return index_grid(spec, 0, 0, 0, 0)[:2]
-
-
