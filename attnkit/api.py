@@ -76,9 +76,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     Dropout: ``dropout_p`` drops each weight ``(b, h, i, j)`` when a Philox random keyed by
     ``seed``, ``offset`` and those coordinates is below ``dropout_p``, and scales kept weights
     by ``1 / (1 - dropout_p)`` (``dropout_p=1`` drops every weight: out 0, as torch); the
-    backward replays the same mask. ``seed=None`` draws one from
-    torch's default generator. ``dropout_mask`` (bool, broadcastable to the scores, True =
+    backward replays the same mask. ``seed=None`` draws one from torch's default generator.
+    ``dropout_mask`` (bool, broadcastable to the scores, True =
     keep) gives the keep mask directly, scaled by ``1 / (1 - dropout_p)``.
+
+    Options (keywords; one definition, :class:`attnkit.spec.Options`, shared by every front
+    door): ``scale``, ``mask``, ``bias``, ``causal``, ``window``, ``diagonal``, ``score_mod``,
+    ``softcap``, ``alibi_slopes`` (``(Hq,)`` or ``(N, Hq)``), ``seqlens_q``, ``seqlens_kv``,
+    ``sinks``, ``dropout_p``, ``seed``, ``offset``, ``dropout_mask``, as described above. An
+    unknown keyword is a ``TypeError`` listing them.
 
     Args:
         return_lse: also return the natural-log log-sum-exp of each row's final scores.
@@ -86,8 +92,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
         return_weights: also return the pre-dropout attention weights ``(*B, Hq, Lq, Lk)``
             as a tensor that does not require grad. This is dense (Lq x Lk): for inspection
             and small problems.
-        backend: ``"auto"`` (default), or force ``"fused"`` / ``"tiled"``; a forced backend
-            that cannot run the call raises ``NotImplementedError`` with its reasons.
+        backend: ``"auto"`` (default), or force an executor (``"decode"``, ``"fused"``,
+            ``"tiled"``; see :mod:`attnkit.backends`); a forced backend that cannot run the
+            call raises ``NotImplementedError`` with its reasons.
 
     Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;
     ``weights`` is appended last with ``return_weights``.
