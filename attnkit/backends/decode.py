@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from ..pages import gather_kv
 from ..score_terms import fold_sinks
 from ..spec import AttentionSpec
 from . import tiled
@@ -180,8 +181,6 @@ def _fallback(spec: AttentionSpec) -> ForwardResult:
         if _pages_fast_path_applies(spec):
             out, lse = _decode_on_pages(spec)
             return ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
-        from ..paged import gather_kv
-
         p = spec.paged
         k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv,
                          max_seqlen=spec.lk)
