@@ -7,9 +7,10 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, compiled
 from .autograd import run
 from .checks import autocast_inputs
+from .ops import is_compiling
 from .score_terms import index_grid
 from .spec import AttentionSpec, Options, build_spec
 
@@ -104,10 +105,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
                         f"{type(return_aux).__name__}")
     opts = Options.from_kwargs("attention", options)
     q, k, v, bias, sinks = autocast_inputs(q, k, v, opts.bias, opts.sinks)
+    opts = opts.merged(bias=bias, sinks=sinks)
     wanted = frozenset({"max_scores"}) if return_aux is not None and return_aux.max_scores else (
         frozenset())
-    spec = build_spec(q, k, v, opts.merged(bias=bias, sinks=sinks), outputs=wanted)
+    if is_compiling():
+        return compiled.attention(q, k, v, opts, wanted, return_lse, return_aux, return_weights,
+                                  backend)
+    spec = build_spec(q, k, v, opts, outputs=wanted)
     out, lse, mx = _execute(spec, backend)
+    return _results(spec, out, lse, mx, return_lse, return_aux, return_weights)
+
+
+def _results(spec: Optional[AttentionSpec], out: Tensor, lse: Tensor, mx: Tensor,
+             return_lse: bool, return_aux: Optional[AuxRequest], return_weights: bool) -> Any:
+    """What :func:`attention` returns, from its outputs (``spec`` for the dense extras)."""
     results: Tuple[Any, ...] = (out,)
     if return_aux is not None:
         results += (AuxOutput(

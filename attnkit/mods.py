@@ -18,7 +18,9 @@ builtin stays a builtin through it, with its bias re-indexed the same way.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import json
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
@@ -27,7 +29,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Builtin", "ModInfo", "call_mask_mod", "call_score_mod", "check_score_mod_gradients",
-           "find_captured_tensors", "info_of", "remap"]
+           "find_captured_tensors", "from_recipe", "info_of", "remap"]
 
 IndexMap = Callable[[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor, Tensor, Tensor]]
 
@@ -65,9 +67,25 @@ class Builtin:
         self.__module__ = module
         self.__doc__ = fn.__doc__
         self.__signature__ = inspect.signature(fn)  # torch's flex counts the parameters
+        self.recipe  # noqa: B018 (made now: code that torch.compile traces only reads it)
 
     def __call__(self, *args: Any) -> Tensor:
         return self._fn(*args)
+
+    @property
+    def recipe(self) -> Optional[Tuple[str, Tuple[Tensor, ...]]]:
+        """``(tree, tensors)``: how to build this mod again from its factory (a JSON string
+        naming the factory and its arguments, tensors by index), or None for a builtin that has
+        no factory. Custom ops carry builtins this way (:func:`from_recipe`)."""
+        if "_recipe" not in self.__dict__:
+            tensors: list = []
+            try:
+                tree = _encode(self, tensors)
+            except TypeError:
+                self._recipe = None
+            else:
+                self._recipe = (json.dumps(tree), tuple(tensors))
+        return self._recipe
 
     def __reduce__(self) -> Any:
         if self._factory is None:
@@ -78,18 +96,65 @@ class Builtin:
         return f"<attnkit {self.__name__}>"
 
 
+def _encode(x: Any, tensors: list) -> Any:
+    if isinstance(x, Tensor):
+        tensors.append(x)
+        return {"t": len(tensors) - 1}
+    if type(x) is Builtin:
+        if x._factory is None:
+            if x.__module__.startswith("attnkit.") and x.__name__.isidentifier():
+                return {"name": f"{x.__module__}:{x.__name__}"}  # a module-level builtin
+            raise TypeError(f"{x.__name__} has no factory")
+        f = x._factory
+        return {"f": f"{f.__module__}:{f.__qualname__}",
+                "a": [_encode(arg, tensors) for arg in x._args]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return {"v": x}
+    if isinstance(x, (list, tuple)):
+        return {"l": [_encode(item, tensors) for item in x]}
+    raise TypeError(f"cannot describe a {type(x).__name__}")
+
+
+def _resolve(path: str) -> Any:
+    module, _, name = path.partition(":")
+    if module != "attnkit" and not module.startswith("attnkit."):
+        raise ValueError(f"a mod recipe may only name attnkit's own factories; got {path!r}")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def from_recipe(tree: Any, tensors: Sequence[Tensor]) -> Any:
+    """The mod (or argument) a recipe describes, built with ``tensors`` (see
+    :attr:`Builtin.recipe`); pass other tensors of the same shapes to rebuild it on them."""
+    if isinstance(tree, str):
+        tree = json.loads(tree)
+    if "t" in tree:
+        return tensors[tree["t"]]
+    if "v" in tree:
+        return tree["v"]
+    if "l" in tree:
+        return [from_recipe(item, tensors) for item in tree["l"]]
+    if "name" in tree:
+        return _resolve(tree["name"])
+    return _resolve(tree["f"])(*[from_recipe(arg, tensors) for arg in tree["a"]])
+
+
 def info_of(mod: Any) -> Optional[ModInfo]:
     """The description of a genuine builtin mod, else None (wrappers included)."""
     return mod._info if type(mod) is Builtin else None
 
 
 def remap(mod: Callable[..., Tensor], index_map: IndexMap, *, score: bool, suffix: str,
-          keep_structure: bool = False) -> Callable[..., Tensor]:
+          keep_structure: bool = False, factory: Optional[Callable[..., Any]] = None,
+          args: Tuple[Any, ...] = ()) -> Callable[..., Tensor]:
     """``mod`` called with re-indexed ``(b, h, q_idx, kv_idx) = index_map(b, h, q, k)``.
 
     ``score`` says whether ``mod`` is a score_mod (a leading ``score`` argument) or a
     mask_mod. A builtin stays a builtin: its bias is re-indexed the same way and its cap kept;
-    its structure is kept only with ``keep_structure`` (a map that leaves positions alone)."""
+    its structure is kept only with ``keep_structure`` (a map that leaves positions alone).
+    ``factory(*args)`` rebuilds the result (for pickling and custom ops), where given."""
     name = f"{getattr(mod, '__name__', type(mod).__name__)}_{suffix}"
     if score:
         def fn(s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -109,7 +174,8 @@ def remap(mod: Callable[..., Tensor], index_map: IndexMap, *, score: bool, suffi
             return inner(*index_map(b, h, q_idx, kv_idx))
 
     structure = info.structure if keep_structure else {"kind": "remapped"}
-    return Builtin(fn, name, ModInfo(structure=structure, bias=bias, cap=info.cap))
+    return Builtin(fn, name, ModInfo(structure=structure, bias=bias, cap=info.cap), factory,
+                   args)
 
 
 def _mod_name(mod: Any) -> str:

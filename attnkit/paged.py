@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_int
+from .ops import is_compiling, stand_ins
 from .pages import _check_pages, _index_tensor, gather_kv
 from .spec import Options, PagedKV, build_spec
 
@@ -308,6 +309,11 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
                          "real tensors")
     block_table = _index_tensor("block_table", block_table, k_pages, torch.int32)
     seqlens_kv = _index_tensor("seqlens_kv", seqlens_kv, k_pages, torch.int32)
+    if is_compiling():
+        from . import compiled
+
+        return compiled.paged(q, k_pages, v_pages, block_table, seqlens_kv, opts, return_lse,
+                              backend)
     for name, x in (("q", q), ("block_table", block_table), ("seqlens_kv", seqlens_kv)):
         if isinstance(x, Tensor) and isinstance(k_pages, Tensor) and x.device != k_pages.device:
             raise ValueError(f"{name} is on {x.device} but the pages are on {k_pages.device}; "
@@ -323,10 +329,7 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if backend in ("auto", "decode"):
         # the keys and values stay in their pages: the spec sees zero-stride stand-ins of the
         # gathered shape, so every option is validated as for a dense call (nothing allocated)
-        bsz, width = block_table.shape
-        _, page, hkv, d = k_pages.shape
-        k_stub = k_pages.new_zeros(()).expand(bsz, hkv, width * page, d)
-        v_stub = v_pages.new_zeros(()).expand(bsz, hkv, width * page, v_pages.shape[3])
+        k_stub, v_stub = stand_ins(k_pages, v_pages, block_table)
         spec = build_spec(q, k_stub, v_stub, opts.merged(seqlens_kv=lens),
                           paged=PagedKV(k_pages, v_pages, block_table.long()))
         if backends.choose(spec, backend) is not None:

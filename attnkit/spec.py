@@ -103,7 +103,7 @@ class Options:
 
     @classmethod
     def names(cls) -> Tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return _OPTION_NAMES
 
     @classmethod
     def from_kwargs(cls, door: str, kwargs: Mapping[str, Any],
@@ -126,6 +126,9 @@ class Options:
     def merged(self, **changes: Any) -> Options:
         """A copy with ``changes`` applied."""
         return replace(self, **changes)
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(Options))  # (torch.compile traces a constant)
 
 
 def _is_default(value: Any, default: Any) -> bool:

@@ -10,6 +10,7 @@ from torch import Tensor
 from .api import _execute
 from .checks import autocast_inputs
 from .mods import remap
+from .ops import is_compiling
 from .spec import Options, build_spec
 
 
@@ -79,6 +80,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim); got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     q, k, v = autocast_inputs(q, k, v)
+    if is_compiling():
+        from . import compiled
+
+        return compiled.varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, return_lse, backend)
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     cu_k = _check_cu("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device)
     if cu_q.numel() != cu_k.numel():
@@ -119,4 +124,5 @@ def _local_score_mod(score_mod: Callable, seg_q: Tensor, seg_k: Tensor, cu_q: Te
         s = seg_q[q_idx]
         return s, h, q_idx - cu_q[s], kv_idx - cu_k[seg_k[kv_idx]]
 
-    return remap(score_mod, local, score=True, suffix="varlen")
+    return remap(score_mod, local, score=True, suffix="varlen", factory=_local_score_mod,
+                 args=(score_mod, seg_q, seg_k, cu_q, cu_k))

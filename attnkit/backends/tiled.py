@@ -13,17 +13,19 @@ keys; the score tile is viewed as ``(N, Hq, bq, bk)`` to apply masks and score t
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ..mods import call_score_mod, from_recipe, info_of
 from ..plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
 from ..score_terms import (
     TERMS,
     apply_score_mod,
     apply_terms,
     dropout_tile,
+    index_grid,
     safe_lse,
     slice_tile,
     softcap_grad,
@@ -239,6 +241,9 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
             if y.requires_grad:
                 grads = torch.autograd.grad(y, (x, *params), ds, allow_unused=True,
                                             create_graph=graph)
+            elif torch.is_grad_enabled() and x.requires_grad and y.grad_fn is None and (
+                    _recipe_vjp_applies(spec)):  # no autograd here (inside a custom op)
+                grads = _recipe_vjp(spec, pre_mod, ds, q0, q1, k0, k1)
             else:  # the mod ignores the score and every tensor it reads is constant
                 grads = (None,) * (1 + len(params))
         # a mod that ignores the score (a constant or a table lookup) passes no gradient on
@@ -251,6 +256,32 @@ def _score_backward(spec: AttentionSpec, ds: Tensor, raw: Tensor, pre_mod: Tenso
     if spec.softcap is not None:  # raw is scale * q.k / cap: d(cap * tanh(raw)) / d raw
         ds = softcap_grad(ds, raw, spec.softcap)
     return ds
+
+
+def _recipe_vjp_applies(spec: AttentionSpec) -> bool:
+    """The score_mod is a builtin whose learnable tensors are its recipe's own."""
+    recipe = getattr(spec.score_mod, "recipe", None) if info_of(spec.score_mod) else None
+    return recipe is not None and all(
+        any(p is t for t in recipe[1]) for p in spec.score_mod_params)
+
+
+def _recipe_vjp(spec: AttentionSpec, pre_mod: Tensor, ds: Tensor, q0: int, q1: int, k0: int,
+                k1: int) -> Tuple[Optional[Tensor], ...]:
+    """The chain rule through a builtin score_mod with ``torch.func.vjp``: the mod is rebuilt
+    from its recipe on the tensors being differentiated (custom ops run without autograd, but
+    functorch's transforms still work there)."""
+    tree, tensors = spec.score_mod.recipe
+    where = [next(i for i, t in enumerate(tensors) if t is p) for p in spec.score_mod_params]
+
+    def fn(x: Tensor, *ps: Tensor) -> Tensor:
+        ts = list(tensors)
+        for i, p in zip(where, ps):
+            ts[i] = p
+        mod = from_recipe(tree, ts)
+        return call_score_mod(mod, x, *index_grid(spec, q0, q1, k0, k1))
+
+    _, vjp = torch.func.vjp(fn, pre_mod.detach(), *(tensors[i].detach() for i in where))
+    return vjp(ds)
 
 
 def _accumulate_broadcast(acc: Tensor, g: Tensor, q0: int, q1: int, k0: int, k1: int) -> None:

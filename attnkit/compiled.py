@@ -1,0 +1,161 @@
+"""The front doors as torch.compile traces them: everything a call needs goes into the custom
+ops of :mod:`attnkit.ops` (one opaque call in the graph; validation, planning and the executor
+run inside, on real tensors), in code that reads no tensor data.
+
+What cannot be passed to an op becomes something that can, here, in traceable torch code: a
+mask_mod that is not an attnkit builtin is evaluated into a dense bool mask (and a BlockMask
+with such a mask_mod into the same mask, from its blocks); a score_mod that is not a builtin,
+``return_weights`` and the dense dropout mask cannot, so those calls run eagerly, outside the
+graph, with a graph break that says why (``fullgraph=True`` reports it as its error).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .mods import call_mask_mod
+
+
+def _disable(reason: str) -> Callable[[Callable], Callable]:
+    """``torch.compiler.disable`` with a reason where torch takes one (2.7+)."""
+    def wrap(fn: Callable) -> Callable:
+        try:
+            return torch.compiler.disable(fn, reason=reason)
+        except TypeError:  # older torch: no reason
+            return torch.compiler.disable(fn)
+    return wrap
+
+
+def _is_builtin(mod: Any) -> bool:
+    return getattr(mod, "recipe", None) is not None
+
+
+@_disable("attnkit: a score_mod that is not an attnkit builtin (attnkit.score_mods), "
+          "return_weights or AuxRequest(dropout_mask=True) runs eagerly, outside the compiled "
+          "graph: a Python callable or a dense (Lq x Lk) result cannot pass through a custom op")
+def _eager_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    from .api import attention as eager
+
+    return eager(q, k, v, **kwargs)
+
+
+def _index_grid(q: Tensor, k: Tensor) -> Tuple[Tuple[int, ...], Tensor, Tensor, Tensor, Tensor]:
+    if q.dim() == 2:
+        batch: Tuple[int, ...] = ()
+        hq = 1
+    else:
+        batch = tuple(torch.broadcast_shapes(q.shape[:-3], k.shape[:-3]))
+        hq = q.shape[-3]
+    n = math.prod(batch) if batch else 1
+    dev = q.device
+    return (batch, torch.arange(n, device=dev).view(-1, 1, 1, 1),
+            torch.arange(hq, device=dev).view(1, -1, 1, 1),
+            torch.arange(q.shape[-2], device=dev).view(1, 1, -1, 1),
+            torch.arange(k.shape[-2], device=dev).view(1, 1, 1, -1))
+
+
+def _shaped(vis: Tensor, batch: Tuple[int, ...], two_d: bool) -> Tensor:
+    """A (N|1, Hq|1, Lq, Lk) visibility as a mask broadcastable to the call's scores."""
+    if two_d:
+        return vis[0, 0]
+    if vis.shape[0] == 1:
+        return vis.reshape((1,) * len(batch) + tuple(vis.shape[1:]))
+    return vis.reshape(*batch, *vis.shape[1:])
+
+
+def dense_mask(mask: Any, q: Tensor, k: Tensor) -> Tensor:
+    """A mask_mod, or a BlockMask whose mask_mod is not a builtin, evaluated densely (the
+    pairs it keeps), in torch ops that torch.compile traces."""
+    batch, b, h, i, j = _index_grid(q, k)
+    if hasattr(mask, "kv_num_blocks"):
+        bq, bk = mask.BLOCK_SIZE
+        kinds = mask.block_kinds()  # (B|1, H|1, NQ, NK): 0 empty, 1 partial, 2 full
+        kinds = kinds.repeat_interleave(bq, -2).repeat_interleave(bk, -1)
+        kinds = kinds[..., : q.shape[-2], : k.shape[-2]]
+        inside = call_mask_mod(mask.mask_mod, b, h, i, j) if mask.mask_mod is not None else (
+            torch.ones((), dtype=torch.bool, device=q.device))
+        vis = (kinds == 2) | ((kinds == 1) & inside)
+    else:
+        vis = call_mask_mod(mask, b, h, i, j)
+    return _shaped(vis, batch, q.dim() == 2)
+
+
+def _mask_for_op(mask: Any, q: Tensor, k: Tensor) -> Any:
+    if mask is None or isinstance(mask, Tensor):
+        return mask
+    if hasattr(mask, "kv_num_blocks"):
+        from .block_mask import BlockMask
+
+        bm = mask if isinstance(mask, BlockMask) else BlockMask.from_torch(mask)
+        return bm if bm.mask_mod is None or _is_builtin(bm.mask_mod) else dense_mask(bm, q, k)
+    return mask if _is_builtin(mask) else dense_mask(mask, q, k)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, return_lse: bool,
+              return_aux: Any, return_weights: bool, backend: str) -> Any:
+    """:func:`attnkit.attention` under torch.compile."""
+    from .api import AuxOutput
+
+    eager = (return_weights or (return_aux is not None and return_aux.dropout_mask)
+             or (opts.score_mod is not None and not _is_builtin(opts.score_mod)))
+    if eager:
+        kwargs = {name: getattr(opts, name) for name in opts.names()}
+        return _eager_attention(q, k, v, return_lse=return_lse, return_aux=return_aux,
+                                return_weights=return_weights, backend=backend, **kwargs)
+    opts = opts.merged(mask=_mask_for_op(opts.mask, q, k))
+    p = ops.pack("attention", q, k, v, opts, backend=backend, outputs=sorted(wanted))
+    out, lse, mx = ops.call(p, q, k, v)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None,
+                              max_scores=mx if return_aux.max_scores else None)
+    return (out, lse) if return_lse else out
+
+
+def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Any,
+           return_lse: bool, backend: str) -> Any:
+    """:func:`attnkit.varlen_attention` under torch.compile (q, k, v packed ``(T, H, D)``)."""
+    from .varlen import _local_score_mod
+
+    cu_q, cu_k = (torch.as_tensor(c, device=q.device).to(torch.int64) for c in (cu_q, cu_k))
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    nseq = len_q.shape[0]
+    seg_q = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_q,
+                                    output_size=q.shape[0])
+    seg_k = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_k,
+                                    output_size=k.shape[0])
+    shift = cu_k[:-1] - cu_q[:-1]
+    if opts.diagonal == "bottom_right":
+        shift = shift + len_k - len_q
+    mod = None if opts.score_mod is None else _local_score_mod(opts.score_mod, seg_q, seg_k,
+                                                              cu_q, cu_k)
+    slopes = opts.alibi_slopes
+    if isinstance(slopes, Tensor) and slopes.dim() == 2 and slopes.shape[0] == nseq and (
+            nseq > 1):
+        slopes = slopes[seg_q].transpose(0, 1).unsqueeze(0)
+    opts = opts.merged(score_mod=mod, alibi_slopes=slopes, diagonal="top_left")
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    p = ops.pack("varlen", qt, kt, vt, opts, backend=backend,
+                 extra={"segments_q": seg_q, "segments_kv": seg_k, "row_offset": shift[seg_q],
+                        "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_k})
+    out, lse, _ = ops.call(p, qt, kt, vt)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if return_lse else out
+
+
+def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens_kv: Tensor,
+          opts: Any, return_lse: bool, backend: str) -> Any:
+    """:func:`attnkit.paged_attention_blocks` under torch.compile: the pages are read in place
+    by the decode executor inside the op (a paged call that needs gradients or more than the
+    decode executor runs is refused there, with its reasons)."""
+    k_stub, v_stub = ops.stand_ins(k_pages, v_pages, block_table)
+    p = ops.pack("paged", q, k_stub, v_stub, opts,
+                 backend="decode" if backend == "auto" else backend,
+                 extra={"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table})
+    p.slots["seqlens_kv"] = seqlens_kv
+    out, lse, _ = ops.call(p, q, k_stub, v_stub)
+    return (out, lse) if return_lse else out
