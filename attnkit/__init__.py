@@ -18,6 +18,7 @@ from .api import (
 )
 from .block_mask import BlockMask, create_block_mask
 from .flex import flex_attention
+from .integrations import torch_varlen as _torch_varlen
 from .merge import merge_state, merge_states
 from .paged import (
     OutOfPagesError,
@@ -28,6 +29,8 @@ from .paged import (
 )
 from .reference import attention_reference
 from .varlen import varlen_attention
+
+_torch_varlen.register()  # "attnkit" in torch's flash-attention registry (not activated)
 
 __version__ = "0.1.0"
 

@@ -116,9 +116,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, ret
     return (out, lse) if return_lse else out
 
 
-def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Any,
-           return_lse: bool, backend: str) -> Any:
-    """:func:`attnkit.varlen_attention` under torch.compile (q, k, v packed ``(T, H, D)``)."""
+def pack_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Any, cu_k: Any, opts: Any, backend: str
+                ) -> Tuple[ops.Packed, Tensor, Tensor, Tensor]:
+    """A varlen call (q, k, v packed ``(T, H, D)``) as op arguments and the ``(1, H, T, D)``
+    views the op takes, in code that reads no tensor data."""
     from .varlen import _local_score_mod
 
     cu_q, cu_k = (torch.as_tensor(c, device=q.device).to(torch.int64) for c in (cu_q, cu_k))
@@ -142,6 +143,13 @@ def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: An
     p = ops.pack("varlen", qt, kt, vt, opts, backend=backend,
                  extra={"segments_q": seg_q, "segments_kv": seg_k, "row_offset": shift[seg_q],
                         "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_k})
+    return p, qt, kt, vt
+
+
+def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Any,
+           return_lse: bool, backend: str) -> Any:
+    """:func:`attnkit.varlen_attention` under torch.compile (q, k, v packed ``(T, H, D)``)."""
+    p, qt, kt, vt = pack_varlen(q, k, v, cu_q, cu_k, opts, backend)
     out, lse, _ = ops.call(p, qt, kt, vt)
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out

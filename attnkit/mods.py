@@ -66,25 +66,20 @@ class Builtin:
         self.__name__ = self.__qualname__ = name
         self.__module__ = module
         self.__doc__ = fn.__doc__
-        self.__signature__ = inspect.signature(fn)  # torch's flex counts the parameters
-        self.recipe  # noqa: B018 (made now: code that torch.compile traces only reads it)
+        self._recipe = _recipe_of(self)  # (made now: code that torch.compile traces reads it)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # torch's flex counts the parameters
+        return inspect.signature(self._fn)
 
     def __call__(self, *args: Any) -> Tensor:
         return self._fn(*args)
 
     @property
-    def recipe(self) -> Optional[Tuple[str, Tuple[Tensor, ...]]]:
-        """``(tree, tensors)``: how to build this mod again from its factory (a JSON string
-        naming the factory and its arguments, tensors by index), or None for a builtin that has
-        no factory. Custom ops carry builtins this way (:func:`from_recipe`)."""
-        if "_recipe" not in self.__dict__:
-            tensors: list = []
-            try:
-                tree = _encode(self, tensors)
-            except TypeError:
-                self._recipe = None
-            else:
-                self._recipe = (json.dumps(tree), tuple(tensors))
+    def recipe(self) -> Optional[Tuple[Any, Tuple[Tensor, ...]]]:
+        """``(tree, tensors)``: how to build this mod again from its factory (plain dicts and
+        lists naming the factory and its arguments, tensors by index), or None for a builtin
+        that has no factory. Custom ops carry builtins this way (:func:`from_recipe`)."""
         return self._recipe
 
     def __reduce__(self) -> Any:
@@ -94,6 +89,15 @@ class Builtin:
 
     def __repr__(self) -> str:
         return f"<attnkit {self.__name__}>"
+
+
+def _recipe_of(mod: Builtin) -> Optional[Tuple[Any, Tuple[Tensor, ...]]]:
+    tensors: list = []
+    try:
+        tree = _encode(mod, tensors)
+    except TypeError:
+        return None
+    return tree, tuple(tensors)
 
 
 def _encode(x: Any, tensors: list) -> Any:
@@ -106,7 +110,7 @@ def _encode(x: Any, tensors: list) -> Any:
                 return {"name": f"{x.__module__}:{x.__name__}"}  # a module-level builtin
             raise TypeError(f"{x.__name__} has no factory")
         f = x._factory
-        return {"f": f"{f.__module__}:{f.__qualname__}",
+        return {"f": f"{f.__module__}:{f.__name__}",  # (module-level factories)
                 "a": [_encode(arg, tensors) for arg in x._args]}
     if x is None or isinstance(x, (bool, int, float, str)):
         return {"v": x}
@@ -128,7 +132,7 @@ def _resolve(path: str) -> Any:
 def from_recipe(tree: Any, tensors: Sequence[Tensor]) -> Any:
     """The mod (or argument) a recipe describes, built with ``tensors`` (see
     :attr:`Builtin.recipe`); pass other tensors of the same shapes to rebuild it on them."""
-    if isinstance(tree, str):
+    if isinstance(tree, str):  # (as JSON)
         tree = json.loads(tree)
     if "t" in tree:
         return tensors[tree["t"]]

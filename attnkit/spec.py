@@ -409,12 +409,18 @@ def _canonical_4d(name: str, x: Tensor, batch: Tuple[int, ...], n: int,
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)}, which does not broadcast to the scores "
                 f"{target} (batch, heads, Lq, Lk); each dim must be 1 or equal")
+    wants_grad = x.requires_grad
     x = x.reshape(shape)
     bshape = shape[: len(batch)]
     if all(s == 1 for s in bshape):
-        return x.reshape(1, *shape[len(batch):])
-    x = x.expand(*batch, *shape[len(batch):])
-    return x.reshape(n, *shape[len(batch):])
+        x = x.reshape(1, *shape[len(batch):])
+    else:
+        x = x.expand(*batch, *shape[len(batch):]).reshape(n, *shape[len(batch):])
+    if wants_grad and not x.requires_grad:
+        # views recorded no autograd (inside a custom op, below autograd): the executors read
+        # requires_grad to know which gradients to compute, and compute them explicitly
+        x = x.detach().requires_grad_(True)
+    return x
 
 
 def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = None, *,

@@ -3,8 +3,9 @@ dense baseline, on the same inputs in the same run.
 
 Usage (``python -m attnkit.bench`` takes the same options)::
 
-    attnkit bench [--suite quick|standard|long] [--dtype float32,bfloat16] [--pass fwd,fwd+bwd]
-                  [--only NAME,...] [--peers NAME,...] [--json PATH] [--plot PATH] [--repeat N]
+    attnkit bench [--suite quick|standard|long|compile] [--dtype float32,bfloat16]
+                  [--pass fwd,fwd+bwd] [--only NAME,...] [--peers NAME,...] [--json PATH]
+                  [--plot PATH] [--repeat N]
                   [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS]
                   [--no-malloc-tune] [--list]
     attnkit bench --distributed [--json PATH]
@@ -12,7 +13,9 @@ Usage (``python -m attnkit.bench`` takes the same options)::
 Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about 100 s on 2 cores, float32, no
 compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
 ``standard`` (the suite the README's performance figures come from; float32 and bfloat16,
-every peer), ``long`` (``standard`` plus 32k-64k contexts).
+every peer), ``long`` (``standard`` plus 32k-64k contexts), ``compile`` (the attention call
+inside ``torch.compile(fullgraph=True)``: attnkit, torch SDPA and FlexAttention compiled, with
+their compile times).
 
 Per case, pass, dtype and peer: median time over interleaved rounds, the peer/attnkit ratio
 taken round by round, effective GFLOP/s over visible pairs and as a % of this machine's matmul
@@ -48,7 +51,8 @@ DESCRIPTION = (
     "dense baseline, on the same inputs in the same run: median time, the peer/attnkit time "
     "ratio, GFLOP/s and their share of this machine's matmul peak, peak memory and the error "
     f"against a reference. Suites: quick ({QUICK_TIME}), standard (the README's figures), long "
-    "(standard plus 32k-64k contexts).")
+    "(standard plus 32k-64k contexts), compile (attnkit, SDPA and FlexAttention inside "
+    "torch.compile).")
 """The ``--help`` description (plain text)."""
 
 SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
@@ -58,6 +62,9 @@ SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
                  "peers": ["attnkit", "sdpa", "flex", "flex_compiled", "naive"], "repeat": 3},
     "long": {"dtypes": ["float32", "bfloat16"],
              "peers": ["attnkit", "sdpa", "flex", "flex_compiled", "naive"], "repeat": 2},
+    "compile": {"dtypes": ["float32", "bfloat16"],
+                "peers": ["attnkit", "attnkit_compiled", "sdpa_compiled", "flex_compiled"],
+                "repeat": 3},
 }
 """Defaults each suite gives to options left unset."""
 
@@ -93,9 +100,10 @@ def _number(minimum: float, strict: bool) -> Any:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser`` (the ``attnkit bench`` subcommand calls this)."""
-    parser.add_argument("--suite", choices=("quick", "standard", "long"), default="quick",
+    parser.add_argument("--suite", choices=tuple(SUITE_DEFAULTS), default="quick",
                         help=f"quick: {QUICK_TIME}, small shapes (default); standard: the "
-                             "README's figures (~20 min); long: standard plus 32k-64k contexts")
+                             "README's figures (~20 min); long: standard plus 32k-64k "
+                             "contexts; compile: attention inside torch.compile")
     parser.add_argument("--dtype", dest="dtypes", type=_csv, default=None, metavar="LIST",
                         help="comma-separated dtypes, e.g. float32,bfloat16 "
                              "(default: quick float32, others both)")
@@ -104,8 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--only", type=_csv, default=None, metavar="NAMES",
                         help="run only these cases (any case of the catalog; see --list)")
     parser.add_argument("--peers", type=_csv, default=None, metavar="NAMES",
-                        help="peers to run: attnkit, sdpa, flex, flex_compiled, naive "
-                             "(default: all; quick leaves out flex_compiled)")
+                        help="peers to run: attnkit, sdpa, flex, flex_compiled, naive, "
+                             "attnkit_compiled, sdpa_compiled (default: the suite's; quick "
+                             "leaves out flex_compiled, compile runs the compiled ones)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="write every figure and the machine info to PATH")
     parser.add_argument("--plot", metavar="PATH", default=None,

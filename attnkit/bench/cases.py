@@ -32,7 +32,7 @@ from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tupl
 
 import numpy as np
 
-SUITES: Tuple[str, ...] = ("quick", "standard", "long")
+SUITES: Tuple[str, ...] = ("quick", "standard", "long", "compile")
 PASSES: Tuple[str, ...] = ("fwd", "fwd+bwd")
 DIAGONALS: Tuple[str, ...] = ("top_left", "bottom_right")
 
@@ -42,6 +42,7 @@ _SUITE_INCLUDES: Dict[str, Tuple[str, ...]] = {
     "quick": ("quick",),
     "standard": ("standard",),
     "long": ("standard", "long"),
+    "compile": ("compile",),
 }
 
 
@@ -253,6 +254,7 @@ VARLEN_16K = random_lengths(8, 16384, seed=16)
 _Q = ("quick",)
 _S = ("standard",)
 _L = ("long",)
+_C = ("compile",)
 
 # Workloads; quick versions are small copies of the standard ones.
 CATALOG: Tuple[Case, ...] = (
@@ -312,6 +314,12 @@ CATALOG: Tuple[Case, ...] = (
          note="one long sequence: keys split across threads (flash-decoding)"),
     Case("dropout_4k", len_q=4096, causal=True, suites=_S, extra={"dropout_p": 0.1},
          note="random masks differ across peers: attnkit checked against its own keep mask"),
+    # ---- inside torch.compile(fullgraph=True): the attention call of a compiled model (the
+    # projections, norms and rotary embedding around it are the same for every peer)
+    Case("compiled_dense_4k", len_q=4096, suites=_C),
+    Case("compiled_causal_4k", len_q=4096, causal=True, suites=_C),
+    Case("compiled_window_4k", len_q=4096, causal=True, window=(512, 0), suites=_C),
+    Case("compiled_document_4k", len_q=4096, causal=True, documents=8, suites=_C),
     # ---- long contexts
     Case("long_32k_bf16", len_q=32768, causal=True, suites=_L, dtypes=("bfloat16",),
          peers=("attnkit", "sdpa"), repeat=1, warmup=False, memory=True),

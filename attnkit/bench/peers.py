@@ -512,6 +512,42 @@ class FlexCompiled(Flex):
         return torch.compile(flex_attention, dynamic=False)
 
 
+# --------------------------------------------------------------------------- compiled calls
+
+
+def _compiled(forward: Forward) -> Forward:
+    """``forward`` under ``torch.compile(fullgraph=True)``, compiled afresh for this case
+    (stale graphs of earlier cases would pile up to dynamo's recompile limit)."""
+    torch._dynamo.reset()
+    return torch.compile(forward, fullgraph=True, dynamic=False)
+
+
+class AttnkitCompiled(Attnkit):
+    """:func:`attnkit.attention` inside ``torch.compile(fullgraph=True)`` (one custom op in
+    the graph)."""
+
+    name = "attnkit_compiled"
+    label = "attnkit (compiled)"
+    compiled = True
+
+    def remarks(self, case: Case, pass_: str) -> List[str]:
+        return ["torch.compile(fullgraph=True): the attnkit::attention op"]
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        return _compiled(super().build(w, table))
+
+
+class SdpaCompiled(Sdpa):
+    """torch SDPA inside ``torch.compile(fullgraph=True)``."""
+
+    name = "sdpa_compiled"
+    label = "torch SDPA (compiled)"
+    compiled = True
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        return _compiled(super().build(w, table))
+
+
 # --------------------------------------------------------------------------- naive
 
 
@@ -550,7 +586,8 @@ class Naive(Peer):
 
 # --------------------------------------------------------------------------- registry
 
-PEERS: Dict[str, Peer] = {p.name: p for p in (Attnkit(), Sdpa(), Flex(), FlexCompiled(), Naive())}
+PEERS: Dict[str, Peer] = {p.name: p for p in (Attnkit(), Sdpa(), Flex(), FlexCompiled(), Naive(),
+                                                AttnkitCompiled(), SdpaCompiled())}
 """Every peer by name, the subject (``attnkit``) first."""
 
 SUBJECT = "attnkit"
