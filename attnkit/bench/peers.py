@@ -522,30 +522,30 @@ def _compiled(forward: Forward) -> Forward:
     return torch.compile(forward, fullgraph=True, dynamic=False)
 
 
-class AttnkitCompiled(Attnkit):
-    """:func:`attnkit.attention` inside ``torch.compile(fullgraph=True)`` (one custom op in
-    the graph)."""
+class _Compiled:
+    """A peer's call inside ``torch.compile(fullgraph=True)`` (mixed in before the peer)."""
+
+    compiled = True
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        return _compiled(super().build(w, table))  # type: ignore[misc]
+
+
+class AttnkitCompiled(_Compiled, Attnkit):
+    """:func:`attnkit.attention` compiled (one ``attnkit::attention`` op in the graph)."""
 
     name = "attnkit_compiled"
     label = "attnkit (compiled)"
-    compiled = True
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
         return ["torch.compile(fullgraph=True): the attnkit::attention op"]
 
-    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
-        return _compiled(super().build(w, table))
 
-
-class SdpaCompiled(Sdpa):
-    """torch SDPA inside ``torch.compile(fullgraph=True)``."""
+class SdpaCompiled(_Compiled, Sdpa):
+    """torch SDPA compiled."""
 
     name = "sdpa_compiled"
     label = "torch SDPA (compiled)"
-    compiled = True
-
-    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
-        return _compiled(super().build(w, table))
 
 
 # --------------------------------------------------------------------------- naive
