@@ -59,13 +59,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     - ``window=(left, right)``: query i sees keys ``i' - left <= j <= i' + right`` (``None`` on
       a side = unbounded);
     - ``seqlens_q`` / ``seqlens_kv`` ``(N,)``: padding; keys at or beyond ``seqlens_kv[b]`` are
-      invisible and query rows at or beyond ``seqlens_q[b]`` give 0.
+      invisible and query rows at or beyond ``seqlens_q[b]`` give 0;
+    - ``starts_kv`` ``(N,)``: left padding, the mirror of ``seqlens_kv``: keys before
+      ``starts_kv[b]`` are invisible to batch row ``b`` (positions stay absolute: the
+      diagonal, windows and ALiBi do not move).
 
     ``i' = i`` for ``diagonal="top_left"`` and ``i' = i + Lk - Lq`` for ``"bottom_right"``
     (with seqlens, the actual lengths). Lq = 2, Lk = 5, causal::
 
         top_left:      1 0 0 0 0        bottom_right:   1 1 1 1 0
                        1 1 0 0 0                        1 1 1 1 1
+
+    Left padding, Lq = Lk = 4, causal, ``starts_kv=[2]`` (a row that sees no key gives 0)::
+
+        0 0 0 0
+        0 0 0 0
+        0 0 1 0
+        0 0 1 1
 
     A row whose keys are all masked gives output 0, lse ``-inf`` and zero gradients. ``bias``
     (float, ``-inf`` allowed) gets a gradient summed back to its own shape; so do ``sinks``
@@ -84,8 +94,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     Options (keywords; one definition, :class:`attnkit.spec.Options`, shared by every front
     door): ``scale``, ``mask``, ``bias``, ``causal``, ``window``, ``diagonal``, ``score_mod``,
     ``softcap``, ``alibi_slopes`` (``(Hq,)`` or ``(N, Hq)``), ``seqlens_q``, ``seqlens_kv``,
-    ``sinks``, ``dropout_p``, ``seed``, ``offset``, ``dropout_mask``, as described above. An
-    unknown keyword is a ``TypeError`` listing them.
+    ``starts_kv``, ``sinks``, ``dropout_p``, ``seed``, ``offset``, ``dropout_mask``, as
+    described above. An unknown keyword is a ``TypeError`` listing them.
 
     Args:
         return_lse: also return the natural-log log-sum-exp of each row's final scores.

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 #: The optional tensors of a call that get no gradient, in the order the ops take them.
-SLOTS = ("mask", "alibi_slopes", "seqlens_q", "seqlens_kv", "dropout_mask", "seed",
+SLOTS = ("mask", "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "dropout_mask", "seed",
          "segments_q", "segments_kv", "row_offset", "k_pages", "v_pages", "block_table",
          "cu_seqlens_q", "cu_seqlens_kv", "bm_kv_num_blocks", "bm_kv_indices",
          "bm_full_kv_num_blocks", "bm_full_kv_indices")
@@ -88,7 +88,7 @@ def pack(door: str, q: Tensor, k: Tensor, v: Tensor, options: Any, *, backend: s
         if x is not None:
             p.options[name] = _as_tensor(x, q)
     cfg["options"] = [name for name in GRAD_OPTIONS if name in p.options]
-    for name in ("seqlens_q", "seqlens_kv", "dropout_mask"):
+    for name in ("seqlens_q", "seqlens_kv", "starts_kv", "dropout_mask"):
         p.slots[name] = _as_tensor(getattr(options, name), q)
     slopes = options.alibi_slopes
     p.slots["alibi_slopes"] = slopes if slopes is None or isinstance(slopes, Tensor) else (
@@ -183,7 +183,7 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
                    window=None if window is None else tuple(window), diagonal=cfg["diagonal"],
                    score_mod=_mod(cfg.get("score_mod"), mod_tensors), softcap=cfg["softcap"],
                    alibi_slopes=t["alibi_slopes"], seqlens_q=t["seqlens_q"],
-                   seqlens_kv=t["seqlens_kv"], sinks=named.get("sinks"),
+                   seqlens_kv=t["seqlens_kv"], starts_kv=t["starts_kv"], sinks=named.get("sinks"),
                    dropout_p=cfg["dropout_p"], seed=seed, offset=cfg["offset"],
                    dropout_mask=t["dropout_mask"])
     door = cfg["door"]

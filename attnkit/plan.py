@@ -1,8 +1,9 @@
 """The plan: which (query block, key block) tiles hold work, and which mask terms a tile needs.
 
-Each mask term (band = causal/window, a bool mask tensor, seqlens padding, a BlockMask, a
-mask_mod) reports per tile whether *some* pair may be visible (``any``) and whether *every* pair
-is visible (``full``), aggregated over the batch and heads (a tile runs for all of them at once).
+Each mask term (band = causal/window, a bool mask tensor, padding = seqlens and starts_kv, a
+BlockMask, a mask_mod) reports per tile whether *some* pair may be visible (``any``) and whether
+*every* pair is visible (``full``), aggregated over the batch and heads (a tile runs for all of
+them at once).
 A tile is skipped when some term says it is empty; a term is not evaluated on a tile it calls
 full. A BlockMask's partial/full classification is used as it is (its mask_mod is called only on
 tiles that some (batch, head) lists as partial).
@@ -23,7 +24,7 @@ from .spec import AttentionSpec
 
 #: Spec features the planner classifies tiles by and :func:`tile_visibility` evaluates.
 MASK_TERMS = frozenset({"window", "mask", "block_mask", "mask_mod", "seqlens_q", "seqlens_kv",
-                        "segments", "row_offset"})
+                        "starts_kv", "segments", "row_offset"})
 #: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
 TILE_ELEMENTS = 1 << 21
 #: Largest key tile of the tiled executor.
@@ -132,6 +133,7 @@ def _segment_status(spec: AttentionSpec, bq: int, bk: int):
 
 
 def _seqlens_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
+    """Padding: row b's queries [0, seqlens_q[b]) and keys [starts_kv[b], seqlens_kv[b])."""
     n = spec.n
     sq = spec.seqlens_q if spec.seqlens_q is not None else torch.full(
         (n,), spec.lq, device=qs.device)
@@ -140,6 +142,10 @@ def _seqlens_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke:
     sq, sk = sq.view(-1, 1, 1), sk.view(-1, 1, 1)
     any_ = (qs.view(1, -1, 1) < sq) & (ks.view(1, 1, -1) < sk)
     full = (qe.view(1, -1, 1) <= sq) & (ke.view(1, 1, -1) <= sk)
+    if spec.starts_kv is not None:  # blocks wholly before a row's start are empty for it
+        st = spec.starts_kv.view(-1, 1, 1)
+        any_ = any_ & (ke.view(1, 1, -1) > st)
+        full = full & (ks.view(1, 1, -1) >= st)
     return any_.any(0), full.all(0)
 
 
@@ -191,7 +197,8 @@ def make_plan(spec: AttentionSpec, bq: Optional[int] = None, bk: Optional[int] =
         a, f = _band_status(spec, bq, ks, ke)
         any_ &= a
         term_full["band"] = f
-    if spec.seqlens_q is not None or spec.seqlens_kv is not None:
+    if (spec.seqlens_q is not None or spec.seqlens_kv is not None
+            or spec.starts_kv is not None):
         a, f = _seqlens_status(spec, qs, qe, ks, ke)
         any_ &= a
         term_full["seqlens"] = f
@@ -254,8 +261,9 @@ ANALYTIC_TERMS = ("band", "seqlens", "segments", "mask")
 
 def range_visibility(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
                      terms: Sequence[str]) -> Optional[Tensor]:
-    """The analytic terms (band, seqlens, segments, mask tensor) among ``terms`` on queries
-    [q0, q1) and keys [k0, k1): bool broadcastable to (N, Hq, q1-q0, k1-k0), or None."""
+    """The analytic terms (band, padding: seqlens and starts_kv, segments, mask tensor) among
+    ``terms`` on queries [q0, q1) and keys [k0, k1): bool broadcastable to
+    (N, Hq, q1-q0, k1-k0), or None."""
     vis: Optional[Tensor] = None
 
     def both(x: Tensor) -> None:
@@ -274,6 +282,8 @@ def range_visibility(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
             both(i < spec.seqlens_q.view(-1, 1, 1, 1))
         if spec.seqlens_kv is not None:
             both(j < spec.seqlens_kv.view(-1, 1, 1, 1))
+        if spec.starts_kv is not None:
+            both(j >= spec.starts_kv.view(-1, 1, 1, 1))
     if "segments" in terms:
         both(spec.segments_q[q0:q1].view(1, 1, -1, 1) == spec.segments_kv[k0:k1].view(1, 1, 1, -1))
     if "mask" in terms:

@@ -103,8 +103,8 @@ def _scores(c: _Call, scale: Optional[float], bias: Optional[Tensor], score_mod:
     return s
 
 
-def _visibility(c: _Call, mask: Any, causal: bool, window: Any) -> Tensor:
-    """Every mask term ANDed: causal, window, ``mask``, padding."""
+def _visibility(c: _Call, mask: Any, causal: bool, window: Any, starts_kv: Any) -> Tensor:
+    """Every mask term ANDed: causal, window, ``mask``, padding (lengths and key starts)."""
     vis = torch.ones(c.n, *c.full, dtype=torch.bool)
     if causal:
         vis &= c.j <= c.ip
@@ -115,6 +115,8 @@ def _visibility(c: _Call, mask: Any, causal: bool, window: Any) -> Tensor:
         vis &= c.j <= c.ip + right
     if mask is not None:
         vis &= _visible(mask, c.b, c.h, c.i, c.j, c.full, c.batch, c.n)
+    if starts_kv is not None:  # left padding: row b's keys before starts_kv[b] are hidden
+        vis &= c.j >= _per_row(starts_kv, 0, c.n)
     return vis & (c.i < c.len_q) & (c.j < c.len_k)
 
 
@@ -122,12 +124,12 @@ def scores(q: Tensor, k: Tensor, v: Tensor, *, scale: Optional[float] = None, ma
            bias: Optional[Tensor] = None, causal: bool = False, window: Any = None,
            diagonal: str = "top_left", score_mod: Any = None, softcap: Optional[float] = None,
            alibi_slopes: Any = None, seqlens_q: Any = None, seqlens_kv: Any = None,
-           **_: Any) -> Tuple[Tensor, Tensor]:
+           starts_kv: Any = None, **_: Any) -> Tuple[Tensor, Tensor]:
     """The final float64 scores before masking and the visibility, both ``(N, Hq, Lq, Lk)``
     (N the flattened batch), for :func:`attention`'s keywords (others are ignored)."""
     c = _Call(q, k, v, seqlens_q, seqlens_kv, diagonal)
     return (_scores(c, scale, bias, score_mod, softcap, alibi_slopes),
-            _visibility(c, mask, causal, window))
+            _visibility(c, mask, causal, window, starts_kv))
 
 
 def attention_reference(
@@ -136,8 +138,8 @@ def attention_reference(
     window: Optional[Tuple[Optional[int], Optional[int]]] = None, diagonal: str = "top_left",
     score_mod: Optional[Callable[..., Tensor]] = None, softcap: Optional[float] = None,
     alibi_slopes: Any = None, seqlens_q: Any = None, seqlens_kv: Any = None,
-    sinks: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[int] = None,
-    offset: int = 0, dropout_mask: Optional[Tensor] = None,
+    starts_kv: Any = None, sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
+    seed: Optional[int] = None, offset: int = 0, dropout_mask: Optional[Tensor] = None,
     dropout_keep: Optional[Tensor] = None, return_lse: bool = False,
     return_weights: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, ...]]:
@@ -149,7 +151,7 @@ def attention_reference(
     """
     c = _Call(q, k, v, seqlens_q, seqlens_kv, diagonal)
     s = _scores(c, scale, bias, score_mod, softcap, alibi_slopes)
-    s = s.masked_fill(~_visibility(c, mask, causal, window), float("-inf"))
+    s = s.masked_fill(~_visibility(c, mask, causal, window, starts_kv), float("-inf"))
     n, (hq, lq, lk) = c.n, c.full
     s_all = s
     if sinks is not None:  # one extra logit per head, with no value

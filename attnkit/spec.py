@@ -17,7 +17,8 @@ The score pipeline, in this order, for query i and key j (i' = i + diagonal offs
     s = s + bias[i, j]                       (bias)
     s = s - slope[h] * |i' - j|              (alibi_slopes)
     s = score_mod(s, b, h, i, j)             (score_mod)
-    s = -inf where the pair is not visible   (mask, mask_mod, BlockMask, causal, window, seqlens)
+    s = -inf where the pair is not visible   (mask, mask_mod, BlockMask, causal, window, seqlens,
+                                              starts_kv)
 
 :meth:`AttentionSpec.features` names every term, option and requested output a call uses;
 each executor declares the features it supports (:mod:`attnkit.backends`), so a feature added
@@ -60,6 +61,7 @@ FEATURES = frozenset({
     "mask_mod",            # a mask_mod the spec could not turn into analytic terms
     "seqlens_q",           # right padding of the queries
     "seqlens_kv",          # right padding of the keys
+    "starts_kv",           # left padding of the keys (per-row key start offsets)
     "segments",            # documents / packed sequences: visible within one segment
     "row_offset",          # a per-query-row diagonal shift (varlen's per-sequence alignment)
     "bias",                # an additive bias tensor
@@ -95,6 +97,7 @@ class Options:
     alibi_slopes: Any = None
     seqlens_q: Any = None
     seqlens_kv: Any = None
+    starts_kv: Any = None
     sinks: Optional[Tensor] = None
     dropout_p: float = 0.0
     seed: Optional[int] = None
@@ -174,6 +177,8 @@ class AttentionSpec:
     diagonal: Diagonal = "top_left"
     seqlens_q: Optional[Tensor] = None
     seqlens_kv: Optional[Tensor] = None
+    #: per-row key start offsets (N,): keys before starts_kv[b] are invisible (left padding)
+    starts_kv: Optional[Tensor] = None
     sinks: Optional[Tensor] = None
     dropout_p: float = 0.0
     seed: int = 0
@@ -246,6 +251,7 @@ class AttentionSpec:
                 ("mask_mod", self.mask_mod is not None),
                 ("seqlens_q", self.seqlens_q is not None),
                 ("seqlens_kv", self.seqlens_kv is not None),
+                ("starts_kv", self.starts_kv is not None),
                 ("segments", self.segments_q is not None),
                 ("row_offset", self.row_offset is not None),
                 ("bias", self.bias is not None),
@@ -292,32 +298,50 @@ class AttentionSpec:
         q1 = self.lq if q1 is None else q1
         return s[:, :, q0:q1].unsqueeze(-1)
 
-    def slice_batch(self, b: int, len_q: int, len_kv: int) -> AttentionSpec:
-        """Batch row ``b`` cut to ``len_q`` queries and ``len_kv`` keys, as a call of its own
-        (padding becomes plain shape; mods keep seeing batch index ``b``)."""
+    def slice_batch(self, b: int, len_q: int, len_kv: int, q_start: int = 0,
+                    kv_start: int = 0) -> AttentionSpec:
+        """Batch row ``b`` cut to queries ``[q_start, len_q)`` and keys ``[kv_start, len_kv)``,
+        as a call of its own: ``len_q`` and ``len_kv`` are the row's real lengths (padding
+        becomes plain shape; a bottom-right diagonal aligns to them). Mods keep seeing batch
+        index ``b`` and the original positions, and a top-left diagonal stays where it was
+        (cut at different query and key starts, the rows get the shift as a row offset)."""
         from .mods import remap
+
+        q0, k0 = q_start, kv_start
 
         def cut(x: Optional[Tensor]) -> Optional[Tensor]:
             if x is None:
                 return None
             x = x[b:b + 1] if x.shape[0] > 1 else x
-            x = x[:, :, :len_q] if x.shape[2] > 1 else x
-            return x[:, :, :, :len_kv] if x.shape[3] > 1 else x
+            x = x[:, :, q0:len_q] if x.shape[2] > 1 else x
+            return x[:, :, :, k0:len_kv] if x.shape[3] > 1 else x
 
         def shift(mod: Optional[Callable], score: bool) -> Optional[Callable]:
-            if mod is None or b == 0:
+            if mod is None or (b == 0 and q0 == 0 and k0 == 0):
                 return mod
-            return remap(mod, lambda bb, h, i, j: (bb + b, h, i, j), score=score,
-                         suffix=f"b{b}", keep_structure=score)
+            suffix = f"b{b}" + (f"q{q0}k{k0}" if q0 or k0 else "")
+            # a score_mod's structure (relative: j - i) survives a shift of both by as much
+            return remap(mod, lambda bb, h, i, j: (bb + b, h, i + q0, j + k0), score=score,
+                         suffix=suffix, keep_structure=score and q0 == k0)
 
         slopes = self.alibi_slopes
         if slopes is not None:
             slopes = slopes[b:b + 1] if slopes.shape[0] > 1 else slopes
-            slopes = slopes[:, :, :len_q] if slopes.dim() == 3 else slopes
-        return replace(self, q=self.q[b:b + 1, :, :len_q], k=self.k[b:b + 1, :, :len_kv],
-                       v=self.v[b:b + 1, :, :len_kv], batch_shape=(1,), mask=cut(self.mask),
+            slopes = slopes[:, :, q0:len_q] if slopes.dim() == 3 else slopes
+        # the cut ends where the row's real queries and keys end (a bottom-right diagonal
+        # stays aligned to them); its starts move a top-left diagonal by q_start - kv_start
+        extra = q0 - k0 if self.diagonal == "top_left" else 0
+        row_offset = self.row_offset
+        if row_offset is not None:
+            row_offset = row_offset[q0:len_q] + extra
+        elif extra and (self.has_band or slopes is not None):
+            row_offset = torch.full((len_q - q0,), extra, dtype=torch.int64,
+                                    device=self.q.device)
+        return replace(self, q=self.q[b:b + 1, :, q0:len_q], k=self.k[b:b + 1, :, k0:len_kv],
+                       v=self.v[b:b + 1, :, k0:len_kv], batch_shape=(1,), mask=cut(self.mask),
                        bias=cut(self.bias), alibi_slopes=slopes, seqlens_q=None,
-                       seqlens_kv=None, mask_mod=shift(self.mask_mod, False),
+                       seqlens_kv=None, starts_kv=None, row_offset=row_offset,
+                       mask_mod=shift(self.mask_mod, False),
                        score_mod=shift(self.score_mod, True), sinks=None)
 
     def output_shape(self, last: int) -> Tuple[int, ...]:
@@ -510,6 +534,8 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
         f["seqlens_q"] = check_seqlens("seqlens_q", opts.seqlens_q, n, lq, dev)
     if opts.seqlens_kv is not None:
         f["seqlens_kv"] = check_seqlens("seqlens_kv", opts.seqlens_kv, n, lk, dev)
+    if opts.starts_kv is not None:
+        f["starts_kv"] = _check_starts(opts.starts_kv, n, lk, dev)
     if opts.sinks is not None:
         sinks = opts.sinks
         if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point:
@@ -526,6 +552,33 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     if spec.mask_mod is not None:
         spec = absorb_mask_structure(spec)  # last: it needs the final diagonal offsets
     return spec
+
+
+def _check_starts(x: Any, n: int, lk: int, device: torch.device) -> Optional[Tensor]:
+    """``starts_kv`` as int64 ``(N,)``, each in ``[0, Lk]``; None when every start is 0 (no
+    key is hidden)."""
+    want = f"an integer tensor of shape ({n},) (one key start offset per batch row)"
+    if not isinstance(x, Tensor):
+        try:
+            x = torch.as_tensor(x, device=device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"starts_kv must be {want} or a list of ints; got "
+                            f"{type(x).__name__}") from err
+    check_device("starts_kv", x, device)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"starts_kv must be {want}; got dtype {x.dtype}: convert it with "
+                        f".long()")
+    if x.shape != (n,):
+        raise ValueError(f"starts_kv must be {want}: keys before starts_kv[b] are hidden from "
+                         f"batch row b; got shape {tuple(x.shape)}")
+    if n == 0:
+        return None
+    x = x.to(device=device, dtype=torch.int64)
+    lo, hi = int(x.min()), int(x.max())
+    if lo < 0 or hi > lk:
+        raise ValueError(f"starts_kv must lie in [0, {lk}] (the keys' length Lk = {lk}); got "
+                         f"min {lo}, max {hi}")
+    return x if hi > 0 else None
 
 
 def _dropout(opts: Options, batch: Tuple[int, ...], n: int,

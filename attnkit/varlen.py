@@ -52,6 +52,7 @@ UNSUPPORTED = {
     "bias": "packed positions are not one (Lq, Lk) grid; use score_mod",
     "seqlens_q": "cu_seqlens_q gives every sequence's length",
     "seqlens_kv": "cu_seqlens_kv gives every sequence's length",
+    "starts_kv": "cu_seqlens_kv gives where every sequence's keys start",
     "dropout_mask": "packed positions are not one (Lq, Lk) grid; use dropout_p with a seed",
 }
 

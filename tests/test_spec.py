@@ -29,6 +29,7 @@ CASES = {
     "documents": ({"mask": masks.document(torch.arange(12) // 5, torch.arange(20) // 7)},
                   {"segments"}),
     "seqlens": ({"seqlens_q": [12, 5], "seqlens_kv": [20, 3]}, {"seqlens_q", "seqlens_kv"}),
+    "starts_kv": ({"starts_kv": [0, 7]}, {"starts_kv"}),
     "bias": ({"bias": torch.randn(12, 20)}, {"bias"}),
     "bias_grad": ({"bias": torch.randn(12, 20, requires_grad=True)}, {"bias", "bias_grad"}),
     "alibi": ({"alibi_slopes": score_mods.alibi_slopes(4)}, {"alibi"}),
@@ -147,8 +148,8 @@ def test_slice_batch_is_the_row_as_its_own_call():
 def test_options_name_every_keyword_once():
     assert set(Options.names()) == {
         "scale", "mask", "bias", "causal", "window", "diagonal", "score_mod", "softcap",
-        "alibi_slopes", "seqlens_q", "seqlens_kv", "sinks", "dropout_p", "seed", "offset",
-        "dropout_mask"}
+        "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "sinks", "dropout_p", "seed",
+        "offset", "dropout_mask"}
     with pytest.raises(TypeError, match="unexpected keyword argument 'casual'.*causal"):
         attnkit.attention(Q, K, K, casual=True)
     q = torch.randn(6, 2, 8)

@@ -218,6 +218,29 @@ def test_greedy_generation_matches(name):
     assert torch.equal(tokens["attnkit"], tokens[ref]), name
 
 
+def test_left_padded_generation_decodes_on_key_starts(monkeypatch):
+    """Left-padded greedy generation: the same tokens as "sdpa", every call carries the
+    padding as starts_kv (no mask tensor) and each decoding step runs the decode executor."""
+    from attnkit import backends
+
+    ids, mask = _batch("left", seed=11)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+              pad_token_id=0)
+    with torch.no_grad():
+        want = _model("llama", "sdpa").generate(input_ids=ids, **kw)
+        spy = _Spy(monkeypatch)
+        chosen = []
+        real_select = backends.select
+        monkeypatch.setattr(backends, "select", lambda spec, backend="auto": chosen.append(
+            (spec.lq, real_select(spec, backend).CAPS.name)) or real_select(spec, backend))
+        got = _model("llama", "attnkit").generate(input_ids=ids, **kw)
+    assert torch.equal(got, want)
+    kws = _options(spy)
+    assert kws and all("mask" not in kw and kw["starts_kv"].tolist() == [12 - n for n in LENGTHS]
+                       for kw in kws)
+    assert {name for lq, name in chosen if lq == 1} == {"decode"}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bfloat16_within_flash_rule(name):
     kind = MODELS[name][1]
@@ -314,8 +337,9 @@ def test_structure_reaches_attnkit(monkeypatch):
     ids, mask = _batch("left")
     with torch.no_grad():
         _model("llama", "attnkit")(ids, attention_mask=mask)
-    for kw in _options(spy):  # left padding: a (B, 1, 1, Lk) key mask, never Lq x Lk
-        assert kw["causal"] and kw["mask"].shape == (3, 1, 1, 12)
+    for kw in _options(spy):  # left padding: each row's first real key, no mask tensor
+        assert kw["causal"] and "mask" not in kw
+        assert kw["starts_kv"].tolist() == [12 - n for n in LENGTHS]
 
     spy.calls.clear()
     with torch.no_grad():

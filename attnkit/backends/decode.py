@@ -6,8 +6,9 @@ to back, once, and keeps the softmax in float32. This executor runs it on every 
 step takes:
 
 - a contiguous cache ``k (N, Hkv, Lk, D)`` (each batch row read as one long page), with
-  right padding (``seqlens_kv``, each row on its own length), causal with either diagonal,
-  windows, ALiBi, softcap and sinks;
+  right padding (``seqlens_kv``, each row on its own length) and left padding (``starts_kv``:
+  the kernel reads each row from its first real key), causal with either diagonal, windows,
+  ALiBi, softcap and sinks;
 - packed sequences (varlen, continuous batching): every sequence's keys read in place from
   the packed K/V, in one call;
 - a paged cache (``spec.paged``: pages, block table and lengths), read through the block
@@ -37,8 +38,8 @@ from .base import Capabilities, ForwardResult, Grads
 
 CAPS = Capabilities(
     name="decode",
-    features=frozenset({"window", "seqlens_kv", "alibi", "softcap", "sinks", "paged_kv",
-                        "segments", "row_offset"}),
+    features=frozenset({"window", "seqlens_kv", "starts_kv", "alibi", "softcap", "sinks",
+                        "paged_kv", "segments", "row_offset"}),
     dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
     max_query_rows=native.MAX_QUERY_ROWS,
@@ -111,14 +112,32 @@ def _terms(spec: AttentionSpec) -> dict:
 
 def _native(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
     q = spec.q.detach()
+    if spec.segments_q is not None:
+        return None if spec.starts_kv is not None else _native_packed(spec)
+    rows = _key_rows(spec)
+    if rows is None:
+        return None
+    lengths, starts = rows
     if spec.paged is not None:
         p = spec.paged
-        return native.paged_decode(q, p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv,
-                                   scale=spec.scale, **_terms(spec))
-    if spec.segments_q is not None:
-        return _native_packed(spec)
+        return native.paged_decode(q, p.k_pages, p.v_pages, p.block_table, lengths,
+                                   scale=spec.scale, starts=starts, **_terms(spec))
     return native.dense_decode(q, spec.k.detach(), spec.v.detach(), spec.scale,
-                               seqlens=spec.seqlens_kv, **_terms(spec))
+                               seqlens=lengths, starts=starts, **_terms(spec))
+
+
+def _key_rows(spec: AttentionSpec) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
+    """Each row's keys for the kernel, ``(lengths, starts)``: the kernel reads row b's keys
+    from ``starts[b]`` for ``lengths[b]`` keys and counts positions from its first key. With
+    left padding that moves a top-left diagonal, which the kernel cannot shift back: None
+    then (the torch path runs). A bottom-right diagonal ends at the last key either way."""
+    if spec.starts_kv is None:
+        return spec.seqlens_kv, None
+    if spec.diagonal == "top_left" and (spec.has_band or spec.alibi_slopes is not None):
+        return None
+    ends = spec.seqlens_kv if spec.seqlens_kv is not None else torch.full_like(
+        spec.starts_kv, spec.lk)
+    return (ends - spec.starts_kv).clamp_(min=0), spec.starts_kv
 
 
 def _packed_rows(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor, Tensor, int, str]]:
@@ -193,6 +212,7 @@ def _pages_fast_path_applies(spec: AttentionSpec) -> bool:
     sees_all = spec.right is None or (spec.right >= 0 and spec.diagonal == "bottom_right")
     return (spec.lq == 1 and spec.q.dtype in (torch.bfloat16, torch.float16)
             and spec.paged.k_pages.dtype == spec.q.dtype and sees_all and spec.left is None
+            and spec.starts_kv is None
             and spec.softcap is None and spec.alibi_slopes is None and spec.sinks is None)
 
 

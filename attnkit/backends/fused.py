@@ -177,10 +177,10 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
     if fplan.batches is not None:
         out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
         lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
-        for b, sq, _, sub, sub_plan in fplan.batches:
+        for b, row, sub, sub_plan in fplan.batches:
             r = forward(sub, sub_plan)
-            out[b:b + 1, :, :sq] = r.out
-            lse[b:b + 1, :, :sq] = r.lse
+            out[b:b + 1, :, row.q0:row.q1] = r.out
+            lse[b:b + 1, :, row.q0:row.q1] = r.lse
         return _result(spec, out, lse)
     inp = _Inputs(spec)
     if fplan.whole:
@@ -335,12 +335,13 @@ def _batched_backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: T
     dq = torch.zeros(spec.q.shape, dtype=cd, device=spec.q.device)
     dk = torch.zeros(spec.k.shape, dtype=cd, device=spec.q.device)
     dvv = torch.zeros(spec.v.shape, dtype=cd, device=spec.q.device)
-    for b, sq, sk, sub, sub_plan in fplan.batches or []:
-        g = backward(sub, sub_plan, out[b:b + 1, :, :sq], lse[b:b + 1, :, :sq],
-                     dout[b:b + 1, :, :sq], None if dlse is None else dlse[b:b + 1, :, :sq])
-        dq[b:b + 1, :, :sq] = g.dq
-        dk[b:b + 1, :, :sk] = g.dk
-        dvv[b:b + 1, :, :sk] = g.dv
+    for b, row, sub, sub_plan in fplan.batches or []:
+        qs, ks = slice(row.q0, row.q1), slice(row.k0, row.k1)
+        g = backward(sub, sub_plan, out[b:b + 1, :, qs], lse[b:b + 1, :, qs],
+                     dout[b:b + 1, :, qs], None if dlse is None else dlse[b:b + 1, :, qs])
+        dq[b:b + 1, :, qs] = g.dq
+        dk[b:b + 1, :, ks] = g.dk
+        dvv[b:b + 1, :, ks] = g.dv
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
         lse_k = safe_lse(lse.to(cd))

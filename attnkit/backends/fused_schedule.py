@@ -3,7 +3,8 @@
 - no mask term and no additive term (or every pair visible): one call on the whole problem;
 - plain causal, either diagonal: at most two calls on the whole problem;
 - documents / packed sequences (sorted segments, optionally causal): one call per segment;
-- padded batches (seqlens): each batch row on its true lengths (:meth:`AttentionSpec.slice_batch`);
+- padded batches (seqlens, starts_kv): each batch row on its true keys and the queries that see
+  some of them (:meth:`AttentionSpec.slice_batch`);
 - otherwise, per query block, the key blocks with work: a short contiguous footprint (a band)
   is one masked call; long runs of *full* blocks go without a mask and the *partial* blocks get
   one call on the gathered keys with an additive mask built from the spec's mask terms;
@@ -45,20 +46,45 @@ class Piece:
     causal: bool  # lone diagonal block: is_causal=True, no mask
 
 
+@dataclass(frozen=True)
+class Row:
+    """One padded batch row's true extent: queries [q0, q1) against keys [k0, k1)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+
 @dataclass
 class FusedPlan:
     plan: Plan
     pieces: List[Piece]
     whole: bool  # one call on the whole problem, no mask
-    #: padded batches run row by row on their true lengths: (b, len_q, len_kv, spec, plan)
-    batches: Optional[List[Tuple[int, int, int, AttentionSpec, FusedPlan]]] = None
+    #: padded batches run row by row on their true extent: (b, Row, spec, plan)
+    batches: Optional[List[Tuple[int, Row, AttentionSpec, FusedPlan]]] = None
 
 
 def _splittable(spec: AttentionSpec) -> bool:
     """Padded batches whose rows can run on their true lengths."""
     f = spec.features()
-    return bool(f & {"seqlens_q", "seqlens_kv"}) and not f & {"block_mask", "segments",
-                                                             "row_offset"}
+    return bool(f & {"seqlens_q", "seqlens_kv", "starts_kv"}) and not f & {
+        "block_mask", "segments", "row_offset"}
+
+
+def _row_extent(spec: AttentionSpec, b: int) -> Row:
+    """Row ``b``'s real queries and keys (``seqlens_q``, ``starts_kv``, ``seqlens_kv``); the
+    leading queries that see no key (they lie wholly left of the first key, nothing of the band
+    reaching it) are left out too: they give 0, as the rows past ``seqlens_q``."""
+    q1 = spec.lq if spec.seqlens_q is None else int(spec.seqlens_q[b])
+    k1 = spec.lk if spec.seqlens_kv is None else int(spec.seqlens_kv[b])
+    k0 = 0 if spec.starts_kv is None else int(spec.starts_kv[b])
+    q0 = 0
+    if k0 and spec.right is not None:  # query i sees keys j <= i + offset + right
+        off = spec.diag_offset()
+        off = int(off.reshape(-1)[b]) if isinstance(off, torch.Tensor) else off
+        q0 = max(0, min(q1, k0 - off - spec.right))
+    return Row(q0, q1, k0, k1)
 
 
 def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
@@ -67,11 +93,10 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
         plan = make_plan(spec, bq=BLOCK, bk=BLOCK)  # for a tiled backward, if one is needed
         rows = []
         for b in range(spec.n):
-            sq = spec.lq if spec.seqlens_q is None else int(spec.seqlens_q[b])
-            sk = spec.lk if spec.seqlens_kv is None else int(spec.seqlens_kv[b])
-            if sq and sk:
-                sub = spec.slice_batch(b, sq, sk)
-                rows.append((b, sq, sk, sub, make_fused_plan(sub)))
+            r = _row_extent(spec, b)
+            if r.q1 > r.q0 and r.k1 > r.k0:
+                sub = spec.slice_batch(b, r.q1, r.k1, q_start=r.q0, kv_start=r.k0)
+                rows.append((b, r, sub, make_fused_plan(sub)))
         return FusedPlan(plan=plan, pieces=[], whole=False, batches=rows)
     bs = BLOCK
     if spec.block_mask is not None:

@@ -57,8 +57,8 @@ class _Tiles:
         cd = spec.compute_dtype
         self.cd = cd
         self.q = _without_padding(spec.q.to(cd), spec.seqlens_q)
-        self.k = _without_padding(spec.k.to(cd), spec.seqlens_kv)
-        self.v = _without_padding(spec.v.to(cd), spec.seqlens_kv)
+        self.k = _without_padding(spec.k.to(cd), spec.seqlens_kv, spec.starts_kv)
+        self.v = _without_padding(spec.v.to(cd), spec.seqlens_kv, spec.starts_kv)
         self.n, self.hq, self.hkv, self.g = spec.n, spec.hq, spec.hkv, spec.groups
         self.q_scale = spec.scale / (spec.softcap or 1.0)
 
@@ -98,12 +98,21 @@ class _Tiles:
         return s, raw, pre_mod, own
 
 
-def _without_padding(x: Tensor, seqlens: Optional[Tensor]) -> Tensor:
-    """``x (N, H, L, D)`` with the rows at or beyond ``seqlens[b]`` zeroed: padding is
-    invisible, so whatever it holds (NaN included) must not reach a product (0 * NaN)."""
-    if seqlens is None or bool((seqlens >= x.shape[2]).all()):
+def _without_padding(x: Tensor, seqlens: Optional[Tensor],
+                     starts: Optional[Tensor] = None) -> Tensor:
+    """``x (N, H, L, D)`` with the rows at or beyond ``seqlens[b]`` (and before ``starts[b]``)
+    zeroed: padding is invisible, so whatever it holds (NaN included) must not reach a product
+    (0 * NaN)."""
+    if seqlens is not None and bool((seqlens >= x.shape[2]).all()):
+        seqlens = None
+    if seqlens is None and starts is None:
         return x
-    pad = torch.arange(x.shape[2], device=x.device).view(1, -1) >= seqlens.view(-1, 1)
+    pos = torch.arange(x.shape[2], device=x.device).view(1, -1)
+    pad = torch.zeros((), dtype=torch.bool, device=x.device)
+    if seqlens is not None:
+        pad = pad | (pos >= seqlens.view(-1, 1))
+    if starts is not None:
+        pad = pad | (pos < starts.view(-1, 1))
     return x.masked_fill(pad[:, None, :, None], 0)
 
 

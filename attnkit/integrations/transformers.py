@@ -40,9 +40,7 @@ bidirectional (BERT, ModernBERT)       no mask; ModernBERT's local layers ``wind
 StaticCache (keys past the seen        the unused tail of the cache is cut off, then as above
 tokens)
 right padding                          ``seqlens_kv`` (the real lengths)
-left padding                           a ``(B, 1, 1, Lk)`` bool key mask, built in
-                                       :func:`_left_padding_options` (the one place a
-                                       structured left-padding option will plug in)
+left padding                           ``starts_kv`` (each row's first real key)
 any other padding                      a ``(B, 1, 1, Lk)`` bool key mask
 packed sequences (``position_ids``     batch 1: ``mask=attnkit.masks.document(ids)`` (absorbed
 restarts), ``cu_seq_lens_q/k``         as segments, no dense mask); batch > 1:
@@ -387,16 +385,6 @@ def _classify_keys(keys: Optional[Tensor], kv_length: int) -> Dict[str, Any]:
     return out
 
 
-def _left_padding_options(starts: Tensor, keys: Tensor) -> Dict[str, Any]:
-    """attnkit options for left padding: row ``b``'s real keys are ``starts[b]:``.
-
-    This is the one place a structured left-padding option of attnkit's core plugs in (per-row
-    key start offsets, which would keep decoding on the native kernel and skip the padded tiles);
-    until then it is a ``(B, 1, 1, Lk)`` bool key mask, which is exact.
-    """
-    return {"mask": keys[:, None, None, :]}
-
-
 # ---- the mask function ----------------------------------------------------------------------
 
 
@@ -510,7 +498,7 @@ def _on_keys(desc: MaskDescription, start: int, stop: int,
     if cls["padding"] == "right":
         opts["seqlens_kv"] = cls["seqlens"]
     elif cls["padding"] == "left":
-        opts.update(_left_padding_options(cls["starts"], cls["keys"]))
+        opts["starts_kv"] = cls["starts"]  # the planner skips the padded key blocks
     elif cls["padding"] == "keys":
         opts["mask"] = cls["keys"][:, None, None, :]
     return Lowered("attention", start, stop, opts)
