@@ -245,3 +245,34 @@ def causal_bias_as_causal(name: str, x: Any, causal: Any, diagonal: str, lq: int
     return True, want
 
 
+def check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
+    """``cu_seqlens`` (a tensor or list of ints) checked: 1-D int prefix sums from 0 to
+    ``total`` on ``device``; returned as int64."""
+    if isinstance(cu, (list, tuple)):
+        try:
+            cu = torch.as_tensor(cu, device=device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints") from err
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got a "
+                            f"list of {cu.dtype} values")
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got "
+                        f"{type(cu).__name__}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with "
+                         f"{name}.to(q.device)")
+    if cu.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64; got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D prefix sums with a leading 0; got shape "
+                         f"{tuple(cu.shape)}")
+    cu = cu.to(device=device, dtype=torch.int64)
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start with 0; got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing (lengths >= 0); got {cu.tolist()}")
+    if int(cu[-1]) != total:
+        raise ValueError(f"{name} ends at {int(cu[-1])} but the packed tensor holds {total} "
+                         f"tokens; the last entry must equal the total length")
+    return cu

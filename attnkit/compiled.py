@@ -116,45 +116,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, ret
     return (out, lse) if return_lse else out
 
 
-def pack_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Any, cu_k: Any, opts: Any, backend: str
-                ) -> Tuple[ops.Packed, Tensor, Tensor, Tensor]:
-    """A varlen call (q, k, v packed ``(T, H, D)``) as op arguments and the ``(1, H, T, D)``
-    views the op takes, in code that reads no tensor data."""
-    from .varlen import _local_score_mod
-
-    cu_q, cu_k = (torch.as_tensor(c, device=q.device).to(torch.int64) for c in (cu_q, cu_k))
-    len_q, len_k = cu_q.diff(), cu_k.diff()
-    nseq = len_q.shape[0]
-    seg_q = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_q,
-                                    output_size=q.shape[0])
-    seg_k = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_k,
-                                    output_size=k.shape[0])
-    shift = cu_k[:-1] - cu_q[:-1]
-    if opts.diagonal == "bottom_right":
-        shift = shift + len_k - len_q
-    mod = None if opts.score_mod is None else _local_score_mod(opts.score_mod, seg_q, seg_k,
-                                                              cu_q, cu_k)
-    slopes = opts.alibi_slopes
-    if isinstance(slopes, Tensor) and slopes.dim() == 2 and slopes.shape[0] == nseq and (
-            nseq > 1):
-        slopes = slopes[seg_q].transpose(0, 1).unsqueeze(0)
-    opts = opts.merged(score_mod=mod, alibi_slopes=slopes, diagonal="top_left")
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    p = ops.pack("varlen", qt, kt, vt, opts, backend=backend,
-                 extra={"segments_q": seg_q, "segments_kv": seg_k, "row_offset": shift[seg_q],
-                        "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_k})
-    return p, qt, kt, vt
-
-
-def varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Any,
-           return_lse: bool, backend: str) -> Any:
-    """:func:`attnkit.varlen_attention` under torch.compile (q, k, v packed ``(T, H, D)``)."""
-    p, qt, kt, vt = pack_varlen(q, k, v, cu_q, cu_k, opts, backend)
-    out, lse, _ = ops.call(p, qt, kt, vt)
-    out = out[0].transpose(0, 1)
-    return (out, lse[0]) if return_lse else out
-
-
 def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens_kv: Tensor,
           opts: Any, return_lse: bool, backend: str) -> Any:
     """:func:`attnkit.paged_attention_blocks` under torch.compile: the pages are read in place

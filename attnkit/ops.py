@@ -189,10 +189,10 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
     door = cfg["door"]
     extra: Dict[str, Any] = {"outputs": frozenset(cfg["outputs"])}
     if door == "varlen":
-        from .varlen import _check_cu
+        from .checks import check_cu
 
-        _check_cu("cu_seqlens_q", t["cu_seqlens_q"], q.shape[2], q.device)
-        _check_cu("cu_seqlens_kv", t["cu_seqlens_kv"], k.shape[2], q.device)
+        check_cu("cu_seqlens_q", t["cu_seqlens_q"], q.shape[2], q.device)
+        check_cu("cu_seqlens_kv", t["cu_seqlens_kv"], k.shape[2], q.device)
         extra.update(segments=(t["segments_q"], t["segments_kv"]), row_offset=t["row_offset"])
     elif door == "paged":
         from .pages import _check_pages

@@ -2,48 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import ops
 from .api import _execute
-from .checks import autocast_inputs
+from .checks import autocast_inputs, check_cu
 from .mods import remap
 from .ops import is_compiling
 from .spec import Options, build_spec
-
-
-def _check_cu(name: str, cu: Any, total: int, device: torch.device) -> Tensor:
-    if isinstance(cu, (list, tuple)):
-        try:
-            cu = torch.as_tensor(cu, device=device)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints") from err
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got a "
-                            f"list of {cu.dtype} values")
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be an int32/int64 tensor or a list of ints; got "
-                        f"{type(cu).__name__}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}; move it with "
-                         f"{name}.to(q.device)")
-    if cu.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64; got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 1:
-        raise ValueError(f"{name} must be 1-D prefix sums with a leading 0; got shape "
-                         f"{tuple(cu.shape)}")
-    cu = cu.to(device=device, dtype=torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start with 0; got {int(cu[0])}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing (lengths >= 0); got {cu.tolist()}")
-    if int(cu[-1]) != total:
-        raise ValueError(f"{name} ends at {int(cu[-1])} but the packed tensor holds {total} "
-                         f"tokens; the last entry must equal the total length")
-    return cu
-
 
 #: Options varlen_attention does not take, and why.
 UNSUPPORTED = {
@@ -81,23 +50,38 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim); got "
                              f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
     q, k, v = autocast_inputs(q, k, v)
-    if is_compiling():
-        from . import compiled
+    if is_compiling():  # checked inside the op
+        p, qt, kt, vt = pack_varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, backend)
+        out, lse, _ = ops.call(p, qt, kt, vt)
+    else:
+        cu_q = check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        cu_k = check_cu("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device)
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError(f"cu_seqlens_q describes {cu_q.numel() - 1} sequences and "
+                             f"cu_seqlens_kv {cu_k.numel() - 1}; they must agree")
+        for name, lim, lens in (("max_seqlen_q", max_seqlen_q, cu_q.diff()),
+                                ("max_seqlen_kv", max_seqlen_kv, cu_k.diff())):
+            if lim is not None and lens.numel() and int(lens.max()) > lim:
+                raise ValueError(f"{name}={lim} but a sequence has length {int(lens.max())}")
+        qt, kt, vt, opts, seg_q, seg_k, row_offset = _layout(q, k, v, cu_q, cu_k, opts)
+        spec = build_spec(qt, kt, vt, opts, segments=(seg_q, seg_k), row_offset=row_offset)
+        out, lse, _ = _execute(spec, backend)
+    out = out[0].transpose(0, 1)
+    return (out, lse[0]) if return_lse else out
 
-        return compiled.varlen(q, k, v, cu_seqlens_q, cu_seqlens_kv, opts, return_lse, backend)
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    cu_k = _check_cu("cu_seqlens_kv", cu_seqlens_kv, k.shape[0], q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q describes {cu_q.numel() - 1} sequences and "
-                         f"cu_seqlens_kv {cu_k.numel() - 1}; they must agree")
+
+def _layout(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Options
+            ) -> Tuple[Tensor, Tensor, Tensor, Options, Tensor, Tensor, Tensor]:
+    """A packed call as one (1, H, T, D) problem: the views, the options re-expressed on them
+    (score_mod on local positions, ALiBi per row, the diagonal as row offsets), each token's
+    sequence and each query row's diagonal offset. Shape-only torch ops (torch.compile traces
+    them)."""
     len_q, len_k = cu_q.diff(), cu_k.diff()
-    for name, lim, lens in (("max_seqlen_q", max_seqlen_q, len_q),
-                            ("max_seqlen_kv", max_seqlen_kv, len_k)):
-        if lim is not None and lens.numel() and int(lens.max()) > lim:
-            raise ValueError(f"{name}={lim} but a sequence has length {int(lens.max())}")
-    nseq = len_q.numel()
-    seg_q = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_q)
-    seg_k = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_k)
+    nseq = len_q.shape[0]
+    seg_q = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_q,
+                                    output_size=q.shape[0])
+    seg_k = torch.repeat_interleave(torch.arange(nseq, device=q.device), len_k,
+                                    output_size=k.shape[0])
     shift = cu_k[:-1] - cu_q[:-1]  # query position -> aligned key position of its sequence
     if opts.diagonal == "bottom_right":
         shift = shift + len_k - len_q
@@ -108,13 +92,22 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
     if isinstance(slopes, Tensor) and slopes.dim() == 2 and nseq > 1 and tuple(
             slopes.shape) == (nseq, hq):  # per (sequence, head): each row its sequence's
         slopes = slopes[seg_q].transpose(0, 1).unsqueeze(0)  # (1, Hq, Tq)
-    spec = build_spec(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                      v.transpose(0, 1).unsqueeze(0),
-                      opts.merged(score_mod=mod, alibi_slopes=slopes, diagonal="top_left"),
-                      segments=(seg_q, seg_k), row_offset=shift[seg_q])
-    out, lse, _ = _execute(spec, backend)
-    out = out[0].transpose(0, 1)
-    return (out, lse[0]) if return_lse else out
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return (qt, kt, vt, opts.merged(score_mod=mod, alibi_slopes=slopes, diagonal="top_left"),
+            seg_q, seg_k, shift[seg_q])
+
+
+def pack_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Any, cu_k: Any, opts: Options,
+                backend: str) -> Tuple[ops.Packed, Tensor, Tensor, Tensor]:
+    """A varlen call (q, k, v packed ``(T, H, D)``) as custom-op arguments and the
+    ``(1, H, T, D)`` views the op takes, reading no tensor data (the op checks ``cu_q`` and
+    ``cu_k``)."""
+    cu_q, cu_k = (torch.as_tensor(c, device=q.device).to(torch.int64) for c in (cu_q, cu_k))
+    qt, kt, vt, opts, seg_q, seg_k, row_offset = _layout(q, k, v, cu_q, cu_k, opts)
+    p = ops.pack("varlen", qt, kt, vt, opts, backend=backend,
+                 extra={"segments_q": seg_q, "segments_kv": seg_k, "row_offset": row_offset,
+                        "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_k})
+    return p, qt, kt, vt
 
 
 def _local_score_mod(score_mod: Callable, seg_q: Tensor, seg_k: Tensor, cu_q: Tensor,

@@ -17,6 +17,7 @@ from attnkit import compiled, masks, ops, score_mods
 from attnkit.integrations import torch_varlen
 from attnkit.reference import attention_reference
 from attnkit.spec import Options
+from attnkit.varlen import pack_varlen
 
 L = 24
 
@@ -99,7 +100,7 @@ def test_varlen_and_paged_ops_pass_opcheck():
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 14, 17])
     q, k, v = (torch.randn(17, h, 8, generator=g).requires_grad_(True) for h in (4, 2, 2))
-    p, qt, kt, vt = compiled.pack_varlen(q, k, v, cu, cu, Options(causal=True), "auto")
+    p, qt, kt, vt = pack_varlen(q, k, v, cu, cu, Options(causal=True), "auto")
     torch.library.opcheck(torch.ops.attnkit.attention.default,
                           (qt, kt, vt, p.grad_tensors, p.tensors, ops._to_json(p.config)))
     k_pages, v_pages = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)

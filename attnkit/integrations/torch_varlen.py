@@ -32,8 +32,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import compiled, ops
+from .. import ops
 from ..spec import Options
+from ..varlen import pack_varlen
 
 __all__ = ["NAME", "activate", "available", "register"]
 
@@ -166,7 +167,7 @@ def _pack(query: Tensor, key: Tensor, value: Tensor, cu_q: Optional[Tensor],
     if cu_q is not None:
         k_used, v_used, cu_used = _used_keys(key, value, cu_k, seqused_k, block_table,
                                              cu_q.numel() - 1)
-        p, qt, kt, vt = compiled.pack_varlen(query, k_used, v_used, cu_q, cu_used, opts, "auto")
+        p, qt, kt, vt = pack_varlen(query, k_used, v_used, cu_q, cu_used, opts, "auto")
         return p, qt, kt, vt, None
     if block_table is not None:
         raise NotImplementedError("a block_table without cum_seq_q is not supported; pass "
