@@ -20,9 +20,15 @@ read through a paged block table. The backward is a dQ kernel and a dK/dV kernel
 over the query heads of its key/value head and writes dBias); every output element is written
 by one program, so it is deterministic.
 
-On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, read
-when the kernels module is imported); without it this executor refuses CPU inputs, so
-``backend="auto"`` picks it for CUDA tensors only.
+On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, set
+before triton is imported); without it this executor refuses CPU inputs, so
+``backend="auto"`` picks it for CUDA tensors only (with the interpreter on, for CPU tensors
+too: selection cannot tell a forced backend from ``auto``).
+
+Under ``torch.compile`` the kernels run inside the ``attnkit::attention`` custom ops
+(:mod:`attnkit.ops`), which select this executor as eager mode does. They are not registered
+as a ``torch.library.triton_op``: the launches depend on the plan's tile tables, which the host
+builds from the call's data (``nonzero``, lengths, lists), and that cannot be traced.
 """
 
 from __future__ import annotations
@@ -85,11 +91,9 @@ def triton_installed() -> bool:
     return _found["triton"]
 
 
-def load_kernels(reload: bool = False) -> ModuleType:
-    """The kernels module, imported on first use (``reload``: import it again, so that a
-    changed ``TRITON_INTERPRET`` takes effect)."""
-    mod = importlib.import_module(__name__ + ".kernels")
-    return importlib.reload(mod) if reload else mod
+def load_kernels() -> ModuleType:
+    """The kernels module, imported on first use."""
+    return importlib.import_module(__name__ + ".kernels")
 
 
 def interpreting() -> bool:
@@ -124,10 +128,12 @@ def extra_reasons(spec: AttentionSpec) -> List[str]:
     if spec.q.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             reasons.append("triton runs on CUDA GPUs; CPU tensors only under Triton's "
-                           "interpreter (set TRITON_INTERPRET=1)")
+                           "interpreter (TRITON_INTERPRET=1 in the environment before torch is "
+                           "imported)")
         elif not load_kernels().INTERPRET:
-            reasons.append("the Triton kernels were imported before TRITON_INTERPRET=1 was "
-                           "set; reload them (attnkit.backends.triton.load_kernels(reload=True))")
+            reasons.append("TRITON_INTERPRET=1 was set after triton was imported; set it "
+                           "before triton is imported (torch imports triton with torch.compile's "
+                           "machinery: set it before importing torch or attnkit)")
     if spec.score_mod is not None:
         info = info_of(spec.score_mod)
         if info is not None and info.bias is not None and not _relative_parts(info.structure):

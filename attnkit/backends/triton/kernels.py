@@ -21,7 +21,7 @@ for dK/dV), each tile's kind (1 partial: evaluate the mask terms; 2 full: skip t
 tiles a mask_mod or BlockMask cuts, a slot in a buffer of pre-evaluated tile masks. Every score
 term is a constexpr branch of :func:`_score_tile`, which all three kernels call.
 
-Under ``TRITON_INTERPRET=1`` (read when this module is imported) the kernels run on CPU
+Under ``TRITON_INTERPRET=1`` (set before triton is imported) the kernels run on CPU
 tensors; ``UPCAST`` then casts matmul operands to float32 (the interpreter's ``tl.dot`` on
 bfloat16 would multiply bit patterns).
 """
@@ -599,7 +599,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, LseS, Delta, DK, DV_, DB,
              mask=cv[:, None] & (dv[None, :] < DV))
 
 
-INTERPRET = type(_attn_fwd).__name__ == "InterpretedFunction"
+#: Do these kernels run under Triton's interpreter? Only when TRITON_INTERPRET=1 was set before
+#: triton itself was imported: triton's own jit functions (``tl.zeros``, ``tl.sum`` ...) are
+#: then interpreted too, and interpreted kernels calling compiled ones fail.
+INTERPRET = (type(_attn_fwd).__name__ == "InterpretedFunction"
+             and type(tl.zeros).__name__ != "JITFunction")
 
 
 # ---- launchers (one per kernel) ---------------------------------------------------------------
