@@ -541,6 +541,15 @@ def test_torch_compile_runs_the_kernels_inside_the_attention_op():
         _close(f"compiled d{name}", a, b, 1e-6)
 
 
+def test_the_gpu_check_script_explains_itself_without_torch():
+    """scripts/gpu_check.py (the prepared H200 check) parses its options before importing
+    torch or triton, so --help works anywhere."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--dry-run" in proc.stdout and "correctness" in proc.stdout
+
+
 def test_the_kernels_tables_follow_the_oracles_visibility():
     """Tile kinds (0 empty, 1 partial, 2 full) and the key / query lists the kernels walk,
     against the oracle's visibility; the relative table against the builtin's own bias."""
