@@ -242,6 +242,16 @@ def test_triton_is_registered_first_and_named_in_the_backend_list():
     assert backends.BACKENDS == ("auto", "triton", "decode", "fused", "tiled")
 
 
+def test_auto_never_picks_triton_for_cpu_tensors(monkeypatch):
+    """Even where the interpreter could run the kernels, auto keeps CPU tensors on the CPU
+    executors (the interpreter is for tests and forced calls)."""
+    monkeypatch.setattr(tx, "extra_reasons", lambda spec: [], raising=False)
+    q, k, v = _qkv()
+    spec = build_spec(q, k, v, causal=True)
+    assert tx.CAPS.auto_devices == frozenset({"cuda"})
+    assert backends.select(spec).CAPS.name != "triton"
+
+
 def test_cpu_tensors_are_refused_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = _qkv()

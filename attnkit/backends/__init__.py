@@ -41,7 +41,11 @@ def choose(spec: AttentionSpec, backend: str = "auto") -> Optional[ModuleType]:
                                       + "; ".join(why) + ". Use backend='auto' to let attnkit "
                                       "choose.")
         return mod
+    device = spec.q.device.type
     for name in PRIORITY:
+        auto_devices = REGISTRY[name].CAPS.auto_devices
+        if auto_devices is not None and device not in auto_devices:
+            continue
         if not reasons(REGISTRY[name], spec):
             return REGISTRY[name]
     return None

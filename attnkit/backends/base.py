@@ -49,6 +49,9 @@ class Capabilities:
     head_dim_multiple: int = 1
     max_query_rows: Optional[int] = None  # Lq
     max_rows_per_kv_head: Optional[int] = None  # Lq * Hq / Hkv
+    #: the devices ``backend="auto"`` picks it for (None: all of ``devices``); the others
+    #: only when it is forced
+    auto_devices: Optional[FrozenSet[str]] = None
     #: why a feature is not supported, for the error (feature -> reason)
     why: Mapping[str, str] = field(default_factory=dict)
 

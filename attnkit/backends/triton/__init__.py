@@ -21,9 +21,8 @@ over the query heads of its key/value head and writes dBias); every output eleme
 by one program, so it is deterministic.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``, set
-before triton is imported); without it this executor refuses CPU inputs, so
-``backend="auto"`` picks it for CUDA tensors only (with the interpreter on, for CPU tensors
-too: selection cannot tell a forced backend from ``auto``).
+before triton is imported) and only when forced (``backend="triton"``): ``backend="auto"``
+picks it for CUDA tensors only (``CAPS.auto_devices``).
 
 Under ``torch.compile`` the kernels run inside the ``attnkit::attention`` custom ops
 (:mod:`attnkit.ops`), which select this executor as eager mode does. They are not registered
@@ -58,6 +57,7 @@ CAPS = Capabilities(
         "additive_score_mod", "sinks", "dropout", "dropout_mask", "max_scores", "paged_kv"}),
     dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
     devices=frozenset({"cuda", "cpu"}),
+    auto_devices=frozenset({"cuda"}),  # CPU tensors (the interpreter) only when forced
     max_head_dim=256,
     why={"score_mod": "the kernels evaluate no Python callable; builtin additive score_mods "
                       "(relative_bias, alibi, head_bias and compositions of them) run",
