@@ -11,6 +11,12 @@ log-sum-exp with :func:`attnkit.merge.merge_states`.
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
 times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
 ``cap * tanh`` pass and its gradient, one sweep each (``vecmath.h``: the shared exp/tanh).
+Decoding and softcap share one thread pool (``pool.c``): threads started on the first call
+that wants them and parked between calls (no thread is started per call); each call runs on
+at most ``torch.get_num_threads()`` threads, read at that call, and on the caller alone when
+it is too small to repay waking a thread. A call from a second Python thread while the pool
+is busy runs on its own thread; a forked child starts a pool of its own. See
+:func:`pool_stats`.
 
 All are built on first use, into one library, with the system C compiler (``$CC``, else
 ``cc``/``gcc``/``clang``) into a cache folder (``$ATTNKIT_CACHE_DIR``, else
@@ -43,13 +49,13 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "MAX_QUERY_ROWS",
-           "NativeKernelWarning"]
+           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "pool_stats",
+           "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c")
-_HEADERS = (_HERE / "vecmath.h",)
-_ABI = 5  # AK_ABI in decode.c
+_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
+_HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
+_ABI = 6  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -233,6 +239,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_softcap_forward.restype = None
         lib.attnkit_softcap_backward.argtypes = [p, p, p, i64, f32, i32]
         lib.attnkit_softcap_backward.restype = None
+        lib.attnkit_pool_stats.argtypes = [p]
+        lib.attnkit_pool_stats.restype = None
+        lib.attnkit_pool_check.argtypes = [i64, i32, i64]  # the pool's self-check (tests)
+        lib.attnkit_pool_check.restype = i64
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         return lib, None, info
@@ -482,6 +492,28 @@ def softcap_backward(ds: Tensor, raw: Tensor, cap: float) -> Optional[Tensor]:
     lib.attnkit_softcap_backward(ds.data_ptr(), raw.data_ptr(), out.data_ptr(), ds.numel(),
                                  float(cap), torch.get_num_threads())
     return out
+
+
+_POOL_STATS = ("threads", "calls", "parallel_runs", "busy_runs", "woken", "caller_extra",
+               "last_threads")
+
+
+def pool_stats() -> dict:
+    """The native thread pool's counters in this process (decoding and softcap calls
+    together): ``threads``, the pool's size (threads started, never stopped: it grows to the
+    most a call has asked for, at most 63 besides the caller, and restarts empty in a forked
+    child); ``calls``, kernel calls; ``parallel_runs``, calls that woke pool threads;
+    ``busy_runs``, calls that found the pool in use by another thread and ran on their own
+    thread; ``woken``, pool threads woken, all calls together; ``caller_extra``, work shares a
+    caller ran because no pool thread had taken them yet; ``last_threads``, the threads the
+    latest call ran on, the caller included (at most ``torch.get_num_threads()`` then, 1 for
+    a call too small to repay waking a thread). Empty when the kernels are unavailable."""
+    lib = _lib()
+    if lib is None:
+        return {}
+    buf = (ctypes.c_int64 * len(_POOL_STATS))()
+    lib.attnkit_pool_stats(buf)
+    return dict(zip(_POOL_STATS, buf))
 
 
 def describe() -> str:

@@ -21,15 +21,18 @@
  * (or only -inf scores) gives 0 and log-sum-exp -inf.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 5
+#define AK_ABI 6
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
+#ifndef AK_DECODE_WORK_PER_THREAD
+#define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
+#endif
 
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
 
@@ -479,8 +482,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     }
 }
 
-static void *worker(void *arg) {
+/* One pool worker: takes work items off job->next until none is left. It allocates its
+ * scratch only while items are left (a worker index that the caller runs after it drained the
+ * queue allocates nothing); a worker that cannot allocate takes no item. */
+static void decode_worker(void *arg, int worker, int nworkers) {
     ak_job *job = (ak_job *)arg;
+    (void)worker;
+    (void)nworkers;
+    if (__atomic_load_n(&job->next, __ATOMIC_RELAXED) >= job->ntasks) return;
     const int64_t R = job->Hq * job->Lq;
     ak_scratch w;
     float *f = (float *)malloc(sizeof(float) * (size_t)(R * job->Dv + R * AK_CHUNK + 3 * R));
@@ -488,7 +497,7 @@ static void *worker(void *arg) {
     if (!f || !ix) {
         free(f);
         free(ix);
-        return (void *)1;
+        return;
     }
     w.acc = f;
     w.sc = w.acc + R * job->Dv;
@@ -505,7 +514,6 @@ static void *worker(void *arg) {
     }
     free(f);
     free(ix);
-    return NULL;
 }
 
 /* Returns 0 on success, 1 when no worker could allocate its scratch buffer. */
@@ -532,18 +540,23 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
         .causal = causal, .bottom_right = bottom_right,
         .has_left = has_left, .has_right = has_right, .left = left, .right = right,
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
-        .ntasks = dims[0] * splits, .next = 0,
+        .ntasks = 0, .next = 0,
     };
-    if (nthreads > 64) nthreads = 64;
-    if (nthreads > job.ntasks) nthreads = (int)job.ntasks;
-    if (nthreads < 1) nthreads = 1;
-    pthread_t th[64];
-    int started = 0;
-    for (int t = 1; t < nthreads; ++t)
-        if (pthread_create(&th[started], NULL, worker, &job) == 0) ++started;
-    worker(&job);
-    for (int t = 0; t < started; ++t) pthread_join(th[t], NULL);
+    job.ntasks = job.B * job.splits;
+    if (job.ntasks == 0) return 0;
+    /* threads only where each gets enough work to repay waking it: multiply-adds of the
+     * scores and P V over every sequence's keys, AK_DECODE_WORK_PER_THREAD per thread, as
+     * many as the caller's `nthreads` (torch.get_num_threads()) at most */
+    int64_t keys = 0;
+    for (int64_t b = 0; b < job.B; ++b) keys += seqlens[b];
+    const int64_t work = keys * job.Hq * job.Lq * (job.D + job.Dv);
+    int64_t n = work / AK_DECODE_WORK_PER_THREAD;
+    if (n > nthreads) n = nthreads;
+    if (n > job.ntasks) n = job.ntasks;
+    if (n > AK_POOL_MAX) n = AK_POOL_MAX;
+    if (n < 1) n = 1;
+    ak_pool_run(decode_worker, &job, (int)n);
     /* a worker that could not allocate takes no task; one that could drains the queue, which
      * leaves the counter past ntasks */
-    return job.next > job.ntasks ? 0 : 1;
+    return __atomic_load_n(&job.next, __ATOMIC_RELAXED) > job.ntasks ? 0 : 1;
 }

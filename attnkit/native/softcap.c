@@ -4,13 +4,18 @@
  *   attnkit_softcap_backward: out <- ds * cap * (1 - tanh(raw)^2)     (d cap*tanh(raw) / d raw)
  *
  * float32, contiguous, n elements; tanh to about 1e-7 absolute (vecmath.h). Large tiles are
- * split across threads.
+ * cut into blocks that the pool's threads (pool.h) take in turn.
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "pool.h"
 #include "vecmath.h"
+
+#ifndef SC_WORK_PER_THREAD
+#define SC_WORK_PER_THREAD (1 << 15) /* elements; fewer per thread run on the caller alone */
+#endif
+#define SC_BLOCK (1 << 13) /* elements a thread takes at a time (a multiple of AK_W) */
 
 typedef struct {
     float *x;
@@ -18,26 +23,24 @@ typedef struct {
     float *out;
     int64_t n;
     float cap;
-} sc_part;
+    int64_t next; /* next block, taken with __atomic_fetch_add */
+} sc_job;
 
-static void *softcap_forward_part(void *arg) {
-    const sc_part *p = (const sc_part *)arg;
+static void softcap_forward_range(const sc_job *p, int64_t a, int64_t e) {
     float *x = p->x;
-    int64_t i = 0;
-    for (; i + AK_W <= p->n; i += AK_W) {
+    int64_t i = a;
+    for (; i + AK_W <= e; i += AK_W) {
         ak_vf v;
         memcpy(&v, x + i, sizeof v);
         v = p->cap * tanh_approx(v);
         memcpy(x + i, &v, sizeof v);
     }
-    for (; i < p->n; ++i) x[i] = p->cap * tanh_approx(ak_splat(x[i]))[0];
-    return NULL;
+    for (; i < e; ++i) x[i] = p->cap * tanh_approx(ak_splat(x[i]))[0];
 }
 
-static void *softcap_backward_part(void *arg) {
-    const sc_part *p = (const sc_part *)arg;
-    int64_t i = 0;
-    for (; i + AK_W <= p->n; i += AK_W) {
+static void softcap_backward_range(const sc_job *p, int64_t a, int64_t e) {
+    int64_t i = a;
+    for (; i + AK_W <= e; i += AK_W) {
         ak_vf g, r;
         memcpy(&g, p->ds + i, sizeof g);
         memcpy(&r, p->raw + i, sizeof r);
@@ -45,54 +48,50 @@ static void *softcap_backward_part(void *arg) {
         g = g * (p->cap * (1.0f - t * t));
         memcpy(p->out + i, &g, sizeof g);
     }
-    for (; i < p->n; ++i) {
+    for (; i < e; ++i) {
         const float t = tanh_approx(ak_splat(p->raw[i]))[0];
         p->out[i] = p->ds[i] * (p->cap * (1.0f - t * t));
     }
-    return NULL;
 }
 
-/* Run fn over [0, n) in up to `threads` contiguous parts (whole vectors each). */
-static void run_parts(void *(*fn)(void *), sc_part base, int threads) {
-    enum { MAX_PARTS = 64, MIN_PART = 1 << 16 };
-    if (threads > MAX_PARTS) threads = MAX_PARTS;
-    int64_t parts = base.n / MIN_PART;
-    if (parts > threads) parts = threads;
-    if (parts < 2) {
-        fn(&base);
-        return;
+/* pool workers: blocks of SC_BLOCK elements until none is left */
+static void softcap_forward_worker(void *arg, int worker, int nworkers) {
+    sc_job *p = (sc_job *)arg;
+    (void)worker;
+    (void)nworkers;
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * SC_BLOCK;
+        if (a >= p->n) return;
+        softcap_forward_range(p, a, a + SC_BLOCK < p->n ? a + SC_BLOCK : p->n);
     }
-    sc_part part[MAX_PARTS];
-    pthread_t th[MAX_PARTS];
-    int started[MAX_PARTS] = {0};
-    const int64_t step = (base.n / parts + AK_W - 1) / AK_W * AK_W;
-    for (int64_t k = 0; k < parts; ++k) {
-        const int64_t a = k * step;
-        int64_t e = k + 1 == parts ? base.n : a + step;
-        if (e > base.n) e = base.n;
-        part[k] = base;
-        part[k].n = e > a ? e - a : 0;
-        if (base.x) part[k].x = base.x + a;
-        if (base.ds) part[k].ds = base.ds + a;
-        if (base.raw) part[k].raw = base.raw + a;
-        if (base.out) part[k].out = base.out + a;
+}
+
+static void softcap_backward_worker(void *arg, int worker, int nworkers) {
+    sc_job *p = (sc_job *)arg;
+    (void)worker;
+    (void)nworkers;
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * SC_BLOCK;
+        if (a >= p->n) return;
+        softcap_backward_range(p, a, a + SC_BLOCK < p->n ? a + SC_BLOCK : p->n);
     }
-    for (int64_t k = 1; k < parts; ++k)
-        started[k] = pthread_create(&th[k], NULL, fn, &part[k]) == 0;
-    fn(&part[0]);
-    for (int64_t k = 1; k < parts; ++k) {
-        if (started[k]) pthread_join(th[k], NULL);
-        else fn(&part[k]); /* no thread: do it here */
-    }
+}
+
+/* threads for n elements: at most `threads`, each with SC_WORK_PER_THREAD elements or more */
+static int workers_for(int64_t n, int threads) {
+    int64_t w = n / SC_WORK_PER_THREAD;
+    if (w > threads) w = threads;
+    if (w > AK_POOL_MAX) w = AK_POOL_MAX;
+    return w < 1 ? 1 : (int)w;
 }
 
 void attnkit_softcap_forward(float *x, int64_t n, float cap, int threads) {
-    sc_part p = {.x = x, .n = n, .cap = cap};
-    run_parts(softcap_forward_part, p, threads);
+    sc_job p = {.x = x, .n = n, .cap = cap, .next = 0};
+    ak_pool_run(softcap_forward_worker, &p, workers_for(n, threads));
 }
 
 void attnkit_softcap_backward(const float *ds, const float *raw, float *out, int64_t n,
                               float cap, int threads) {
-    sc_part p = {.ds = ds, .raw = raw, .out = out, .n = n, .cap = cap};
-    run_parts(softcap_backward_part, p, threads);
+    sc_job p = {.ds = ds, .raw = raw, .out = out, .n = n, .cap = cap, .next = 0};
+    ak_pool_run(softcap_backward_worker, &p, workers_for(n, threads));
 }

@@ -1,0 +1,24 @@
+/* attnkit native kernels: one persistent thread pool shared by decode.c and softcap.c.
+ *
+ * ak_pool_run(fn, ctx, n) calls fn(ctx, w, n) once for every worker index w in [0, n) and
+ * returns when all of those calls have returned. The calling thread runs w = 0 itself and
+ * then takes any index no pool thread has taken yet, so a call never waits for a thread that
+ * has not been scheduled, and n = 1 (or a pool that could start no thread) runs everything
+ * on the caller without touching the pool. See pool.c for how threads park and wake, how
+ * concurrent callers and fork are handled.
+ */
+#ifndef ATTNKIT_POOL_H
+#define ATTNKIT_POOL_H
+
+#include <stdint.h>
+
+#define AK_POOL_MAX 64 /* most workers of one call, the caller included */
+
+typedef void (*ak_pool_fn)(void *ctx, int worker, int nworkers);
+
+/* Run fn(ctx, w, n) for w in [0, n) on the calling thread and up to n - 1 pool threads
+ * (n is clamped to [1, AK_POOL_MAX]). Safe to call from several threads at once: a call that
+ * finds the pool in use runs all its indices on its own thread. */
+__attribute__((visibility("hidden"))) void ak_pool_run(ak_pool_fn fn, void *ctx, int n);
+
+#endif
