@@ -1,7 +1,8 @@
 """The native kernels' persistent thread pool (attnkit/native/pool.c), judged by the float64
 oracle: the same results on any number of threads, ``torch.set_num_threads`` followed call by
 call, no OS thread started per call, calls from several Python threads at once, forked
-children (also while another thread is inside the pool) and small calls on the caller alone."""
+children (also while another thread is inside the pool), small calls on the caller alone, and
+arguments refused before any work."""
 
 from __future__ import annotations
 
@@ -374,3 +375,35 @@ def test_fork_while_another_thread_is_inside_the_pool():
     assert not busy.is_alive(), "the parent's concurrent call never returned"
     assert not errors
 
+
+def test_bad_arguments_are_refused_before_any_work():
+    """The kernel checks what it will read on the calling thread before any work: a page
+    index outside the pages, a sequence longer than its block-table row, a negative length
+    or start raise ValueError (the process survives) and the pool runs nothing."""
+    gen = torch.Generator().manual_seed(8)
+    pages, page = 6, 16
+    q = rand(2, HQ, 1, D, gen=gen, dtype=torch.float32)
+    kp = rand(pages, page, HKV, D, gen=gen, dtype=torch.float32)
+    vp = rand(pages, page, HKV, D, gen=gen, dtype=torch.float32)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    lens = torch.tensor([40, 33])
+    out, lse = native.paged_decode(q, kp, vp, table, lens, scale=SCALE, causal=False)
+    k, v = (x[table].flatten(1, 2).transpose(1, 2) for x in (kp, vp))
+    _assert_oracle(out, lse, q, k, v, lens)
+    bad = [(torch.tensor([[0, 1, 2], [3, pages, 5]]), lens, None),   # past the last page
+           (torch.tensor([[0, -1, 2], [3, 4, 5]]), lens, None),      # negative page index
+           (table, torch.tensor([40, 3 * page + 1]), None),          # longer than its row
+           (table, torch.tensor([40, -1]), None),                    # negative length
+           (table, lens, torch.tensor([0, 16])),                     # starts past the row
+           (table, lens, torch.tensor([-1, 0]))]                     # negative start
+    for bt, ln, starts in bad:
+        before = native.pool_stats()
+        with pytest.raises(ValueError, match="refused its arguments"):
+            native.paged_decode(q, kp, vp, bt, ln, scale=SCALE, causal=False, starts=starts,
+                                threads=2)
+        assert _delta(before)["calls"] == 0
+    # padding entries past a sequence's pages are never read, so they may hold anything
+    padded = torch.tensor([[0, 1, 2], [3, 4, 99]])
+    out2, lse2 = native.paged_decode(q, kp, vp, padded, torch.tensor([40, 32]), scale=SCALE,
+                                     causal=False)
+    assert torch.equal(out2[0], out[0])

@@ -396,7 +396,7 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     first = None if starts is None else starts.to(torch.int64).contiguous()
     kst = torch.tensor(k_pages.stride()[:3], dtype=torch.int64)
     vst = torch.tensor(v_pages.stride()[:3], dtype=torch.int64)
-    dims = torch.tensor([bsz, hq, hkv, lq, d, dv, page_size], dtype=torch.int64)
+    dims = torch.tensor([bsz, hq, hkv, lq, d, dv, page_size, num_pages], dtype=torch.int64)
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
@@ -414,6 +414,11 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
         float(softcap) if softcap is not None else 0.0,
         slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),
         threads)
+    if rc == 2:
+        raise ValueError(
+            "native decode kernel refused its arguments (a page index outside [0, num_pages) "
+            "among the pages a sequence uses, a sequence longer than its block-table row, or "
+            "impossible dims); the callers' checks (attnkit.pages) explain such input")
     if rc != 0:
         raise MemoryError("native decode kernel could not allocate its scratch buffers")
     if splits == 1:

@@ -2,8 +2,10 @@
  * key/value cache, read in place (no gather, no copy), in one pass over the pages.
  *
  * Built on first use by attnkit/native/__init__.py with the system C compiler and called
- * through ctypes; the Python side validates every shape, stride, dtype and page index before
- * calling, so nothing here checks user input.
+ * through ctypes. The Python side validates every shape, stride, dtype and page index before
+ * calling and explains what is wrong; attnkit_decode checks the same facts once more, on the
+ * calling thread before any work starts (check_args), and refuses a call that would read
+ * outside the pages, so no input can crash the process from inside a worker thread.
  *
  * Work item = (sequence b, key split s). Keys are visited in memory order, a chunk of at most
  * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
@@ -35,6 +37,7 @@
 #endif
 
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
+enum { AK_BAD_ARGS = 2 };
 
 typedef float ak_v8 __attribute__((vector_size(32)));
 typedef float ak_v4 __attribute__((vector_size(16)));
@@ -516,13 +519,47 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     free(ix);
 }
 
-/* Returns 0 on success, 1 when no worker could allocate its scratch buffer. */
+/* 0 when the call is one the kernel can run without reading or writing out of bounds: sane
+ * dims, and for every sequence a length that its block-table row and the key splits cover
+ * and page indices in [0, num_pages) for every page it uses; else nonzero. */
+static int check_args(const ak_job *job, int64_t num_pages) {
+    const int64_t B = job->B, P = job->P;
+    if (!job->q || !job->kp || !job->vp || !job->seqlens || !job->out || !job->lse) return 1;
+    if (B < 0 || job->Hq < 1 || job->Hkv < 1 || job->Hq % job->Hkv || job->Lq < 1) return 1;
+    if (job->D < 0 || job->D % AK_W || job->Dv < 0 || job->Dv % AK_W) return 1;
+    if (P < 1 || num_pages < 0 || job->bt_cols < 0 || job->splits < 1) return 1;
+    if (job->keys_per_split < 1 || job->splits > INT64_MAX / job->keys_per_split) return 1;
+    if (B > INT64_MAX / job->splits) return 1; /* ntasks = B * splits */
+    if (job->dtype != AK_F32 && job->dtype != AK_BF16 && job->dtype != AK_F16) return 1;
+#ifndef __FLT16_MAX__
+    if (job->dtype == AK_F16) return 1;
+#endif
+    if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
+        || job->vs_tok < 0 || job->vs_head < 0)
+        return 1;
+    if (B > 0 && !job->bt) return 1;
+    if (job->bt_cols > INT64_MAX / P) return 1;
+    const int64_t row_keys = job->bt_cols * P;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = job->seqlens[b], base = job->starts ? job->starts[b] : 0;
+        if (L < 0 || base < 0 || base > row_keys || L > row_keys - base) return 1;
+        if (L > job->splits * job->keys_per_split) return 1;
+        if (L == 0) continue;
+        const int64_t *row = job->bt + b * job->bt_cols;
+        for (int64_t c = base / P; c <= (base + L - 1) / P; ++c)
+            if (row[c] < 0 || row[c] >= num_pages) return 1;
+    }
+    return 0;
+}
+
+/* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
+ * nothing done) when check_args refuses the arguments. */
 int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *kp,
                    const void *vp,
                    const int64_t *kstrides, const int64_t *vstrides,
                    const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
                    const int64_t *starts,
-                   const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P */
+                   const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P, num_pages */
                    int64_t splits, int64_t keys_per_split, int dtype,
                    int causal, int bottom_right, int has_left, int64_t left,
                    int has_right, int64_t right,
@@ -542,6 +579,7 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = 0, .next = 0,
     };
+    if (check_args(&job, dims[7])) return AK_BAD_ARGS;
     job.ntasks = job.B * job.splits;
     if (job.ntasks == 0) return 0;
     /* threads only where each gets enough work to repay waking it: multiply-adds of the
