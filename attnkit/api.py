@@ -6,10 +6,11 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import backends, compiled
-from .autograd import run
-from .checks import autocast_inputs
+from .autograd import _no_autocast, run
+from .checks import autocast_dtype, autocast_inputs
 from .ops import is_compiling
 from .score_terms import index_grid
 from .spec import AttentionSpec, Options, build_spec
@@ -115,7 +116,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
                         f"{type(return_aux).__name__}")
     opts = Options.from_kwargs("attention", options)
     q, k, v, bias, sinks = autocast_inputs(q, k, v, opts.bias, opts.sinks)
-    opts = opts.merged(bias=bias, sinks=sinks)
+    if bias is not opts.bias or sinks is not opts.sinks:
+        opts = opts.merged(bias=bias, sinks=sinks)
     wanted = frozenset({"max_scores"}) if return_aux is not None and return_aux.max_scores else (
         frozenset())
     if is_compiling():
@@ -143,11 +145,46 @@ def _results(spec: Optional[AttentionSpec], out: Tensor, lse: Tensor, mx: Tensor
 
 
 def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
-    """Run a spec and restore the user's shapes: (out, lse, max_scores)."""
+    """Run a spec and restore the user's shapes: (out, lse, max_scores). A call that nothing
+    differentiates runs its executor's forward directly, without the autograd node (whose
+    argument binding costs more than a decoding step's kernel)."""
     executor = backends.select(spec, backend)
-    out, lse, mx = run(spec, executor)
-    return (out.reshape(spec.output_shape(spec.dv)), lse.reshape(spec.lse_shape()),
-            mx.reshape(spec.lse_shape()))
+    if spec.is_empty or _needs_graph(spec):
+        out, lse, mx = run(spec, executor)
+    else:
+        res = _forward_only(spec, executor)
+        out, lse, mx = res.out.to(spec.q.dtype), res.lse, res.max_scores
+    if spec.squeeze_heads or len(spec.batch_shape) != 1:  # (else already the user's shape)
+        out = out.reshape(spec.output_shape(spec.dv))
+        lse, mx = lse.reshape(spec.lse_shape()), mx.reshape(spec.lse_shape())
+    return out, lse, mx
+
+
+def _forward_only(spec: AttentionSpec, executor: Any) -> Any:
+    """The executor's forward as the autograd node runs it (grad mode and autocast off), with
+    the context managers entered only where they change something."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _forward_only(spec, executor)
+    if autocast_dtype(spec.q.device.type) is not None:
+        with _no_autocast(spec):
+            return executor.forward(spec, executor.make_plan(spec))
+    return executor.forward(spec, executor.make_plan(spec))
+
+
+def _needs_graph(spec: AttentionSpec) -> bool:
+    """Whether the call must run through the autograd node: an input requires grad (with
+    grad mode on), or a torch.func transform or forward-mode AD is active (the node says
+    what it supports there)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if active is None or active():
+        return True
+    if getattr(forward_ad, "_current_level", 0) >= 0:
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    return any(x is not None and x.requires_grad for x in (
+        spec.q, spec.k, spec.v, spec.bias, spec.sinks, *spec.score_mod_params))
 
 
 def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:

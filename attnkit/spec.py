@@ -28,8 +28,19 @@ here is refused by every executor until one says it runs it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, FrozenSet, Literal, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 from torch import Tensor
@@ -120,7 +131,7 @@ class Options:
                 valid = ", ".join(n for n in names if n not in unsupported)
                 raise TypeError(f"{door}() got an unexpected keyword argument {key!r}; its "
                                 f"options are: {valid}")
-        defaults = cls()
+        defaults = _DEFAULT_OPTIONS
         for key, why in unsupported.items():
             if key in kwargs and not _is_default(kwargs[key], getattr(defaults, key)):
                 raise NotImplementedError(f"{door}() does not take {key}: {why}")
@@ -132,6 +143,7 @@ class Options:
 
 
 _OPTION_NAMES = tuple(f.name for f in fields(Options))  # (torch.compile traces a constant)
+_DEFAULT_OPTIONS = Options()
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -355,6 +367,22 @@ class AttentionSpec:
         return (*self.batch_shape, self.hq, self.lq)
 
 
+_SPEC_DEFAULTS = {f.name: f.default for f in fields(AttentionSpec)
+                  if f.default is not MISSING}
+
+
+def _new_spec(values: Dict[str, Any]) -> AttentionSpec:
+    """``AttentionSpec(**values)`` in one step: the frozen dataclass's ``__init__`` sets its
+    thirty fields one by one through ``object.__setattr__``, which is a tenth of a decoding
+    step's budget (one spec per layer per token). Same object, same fields, same defaults."""
+    spec = object.__new__(AttentionSpec)
+    d = spec.__dict__
+    d.update(_SPEC_DEFAULTS)
+    d["outputs"] = frozenset()
+    d.update(values)
+    return spec
+
+
 # ---- canonical shapes ----------------------------------------------------------------------
 
 
@@ -459,7 +487,7 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     the paged front door, ``outputs`` the requested extra outputs."""
     opts = options if options is not None else Options.from_kwargs("build_spec", kwargs)
     causal, diagonal, mask, bias = opts.causal, opts.diagonal, opts.mask, opts.bias
-    cb = causal_bias_class()
+    cb = causal_bias_class() if mask is not None or bias is not None else None
     for name in ("mask", "bias"):
         x = mask if name == "mask" else bias
         if cb is not None and isinstance(x, cb):  # torch's CausalBias: causal with a diagonal
@@ -548,7 +576,7 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     if segments is not None:
         f["segments_q"], f["segments_kv"] = segments
     f["row_offset"] = row_offset
-    spec = AttentionSpec(**f)
+    spec = _new_spec(f)
     if spec.mask_mod is not None:
         spec = absorb_mask_structure(spec)  # last: it needs the final diagonal offsets
     return spec

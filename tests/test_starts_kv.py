@@ -269,7 +269,7 @@ def test_decode_kernel_reads_each_row_from_its_start(name, dtype, lq, monkeypatc
     k, v = k.clone(), v.clone()
     starts = torch.tensor([0, 60, 150])
     k[1, :, :60] = float("nan")  # hidden: must never be read into a row
-    calls = spy(monkeypatch, native, "dense_decode")
+    calls = spy(monkeypatch, native, "paged_decode")
     fallback = spy(monkeypatch, tiled, "forward")
     out, lse = attnkit.attention(q, k, v, starts_kv=starts, return_lse=True, backend="decode",
                                  **kw)
@@ -285,7 +285,7 @@ def test_decode_top_left_band_runs_the_torch_path_exactly(monkeypatch):
     positions from each row's first key): the decode executor runs its torch path instead."""
     q, k, v = _inputs(torch.float32, lq=4, lk=64, grad=False)
     starts = torch.tensor([0, 2, 3])
-    calls = spy(monkeypatch, native, "dense_decode")
+    calls = spy(monkeypatch, native, "paged_decode")
     out = attnkit.attention(q, k, v, starts_kv=starts, causal=True, backend="decode")
     assert not calls
     r = ref(q.double(), k.double(), v.double(), starts_kv=starts, causal=True)
@@ -293,7 +293,7 @@ def test_decode_top_left_band_runs_the_torch_path_exactly(monkeypatch):
 
 
 def test_decode_torch_fallback_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(decode, "_kernel_runs", lambda spec: False)
+    monkeypatch.setattr(decode, "_kernel_kv", lambda spec: None)
     q, k, v = _inputs(torch.float32, lq=1, lk=100, grad=False)
     starts = torch.tensor([0, 30, 99])
     kw = dict(causal=True, diagonal="bottom_right", window=(50, 0))

@@ -24,7 +24,7 @@ door gathers the pages when gradients are needed).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -72,10 +72,13 @@ def make_plan(spec: AttentionSpec) -> None:
 
 def forward(spec: AttentionSpec, plan: None) -> ForwardResult:
     """One native kernel call (or the torch fallback); float32/float64 out and LSE."""
-    out_lse = _native(spec) if _kernel_runs(spec) else None
+    kv = _kernel_kv(spec)
+    out_lse = _native(spec, *kv) if kv is not None else None
     if out_lse is None:
         return _fallback(spec)
-    out, lse = (x.to(spec.compute_dtype) for x in out_lse)
+    out, lse = out_lse
+    if out.dtype != spec.compute_dtype:
+        out, lse = out.to(spec.compute_dtype), lse.to(spec.compute_dtype)
     if spec.sinks is not None:
         out, lse = fold_sinks(out, lse, spec.sinks)
     return ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
@@ -88,21 +91,36 @@ def backward(spec: AttentionSpec, plan: None, out: Tensor, lse: Tensor, dout: Te
     return tiled.backward(spec, tiled.make_plan(spec), out, lse, dout, dlse)
 
 
+_NAN: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
+
+
 def _no_max(lse: Tensor) -> Tensor:
-    return torch.full((), float("nan"), dtype=lse.dtype, device=lse.device).expand(lse.shape)
+    """NaN row maxima (the kernel does not compute them): one shared NaN, expanded."""
+    key = (lse.dtype, lse.device)
+    nan = _NAN.get(key)
+    if nan is None:
+        nan = _NAN[key] = torch.full((), float("nan"), dtype=lse.dtype, device=lse.device)
+    return nan.expand(lse.shape)
 
 
 # ---- the native kernel ---------------------------------------------------------------------
 
 
-def _kernel_runs(spec: AttentionSpec) -> bool:
+def _kernel_kv(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+    """K and V token-major, as the kernel reads them (the pages, or each batch row of a
+    contiguous cache as one page), when the kernel can run the call; else None."""
     if spec.q.dtype == torch.float64:
-        return False
-    k, v = (spec.paged.k_pages, spec.paged.v_pages) if spec.paged is not None else (spec.k,
-                                                                                   spec.v)
-    if spec.paged is None:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # token-major, as pages are
-    return not native.decode_reasons(spec.q.detach(), k.detach(), v.detach(), grad_ok=True)
+        return None
+    if spec.paged is not None:
+        k, v = spec.paged.k_pages, spec.paged.v_pages
+    else:
+        k, v = _data(spec.k).transpose(1, 2), _data(spec.v).transpose(1, 2)
+    return None if native.decode_reasons(_data(spec.q), k, v, grad_ok=True) else (k, v)
+
+
+def _data(x: Tensor) -> Tensor:
+    """``x`` without its autograd history (the kernel reads data only)."""
+    return x.detach() if x.requires_grad else x
 
 
 def _terms(spec: AttentionSpec) -> dict:
@@ -110,20 +128,42 @@ def _terms(spec: AttentionSpec) -> dict:
             "softcap": spec.softcap, "alibi_slopes": spec.alibi_slopes}
 
 
-def _native(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
-    q = spec.q.detach()
+#: Block tables that read batch row b of a contiguous cache as page b, by (rows, device).
+_ROW_TABLES: Dict[Tuple[int, torch.device], Tensor] = {}
+#: Full lengths (every row Lk keys), by (rows, Lk, device).
+_FULL_LENGTHS: Dict[Tuple[int, int, torch.device], Tensor] = {}
+
+
+def _cached(cache: dict, key: tuple, make: Callable[[], Tensor]) -> Tensor:
+    x = cache.get(key)
+    if x is None:
+        if len(cache) > 64:  # a few shapes recur in decoding; do not grow without bound
+            cache.clear()
+        x = cache[key] = make()
+    return x
+
+
+def _native(spec: AttentionSpec, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """The kernel on token-major ``k``/``v`` (see :func:`_kernel_kv`), or None when this call
+    is not in a form it reads."""
+    q = _data(spec.q)
     if spec.segments_q is not None:
-        return None if spec.starts_kv is not None else _native_packed(spec)
+        return None if spec.starts_kv is not None else _native_packed(spec, k, v)
     rows = _key_rows(spec)
     if rows is None:
         return None
     lengths, starts = rows
     if spec.paged is not None:
-        p = spec.paged
-        return native.paged_decode(q, p.k_pages, p.v_pages, p.block_table, lengths,
-                                   scale=spec.scale, starts=starts, **_terms(spec))
-    return native.dense_decode(q, spec.k.detach(), spec.v.detach(), spec.scale,
-                               seqlens=lengths, starts=starts, **_terms(spec))
+        table = spec.paged.block_table
+    else:  # each batch row read as one page of Lk tokens (a strided view, no copy)
+        n, dev = spec.n, q.device
+        table = _cached(_ROW_TABLES, (n, dev),
+                        lambda: torch.arange(n, dtype=torch.int64, device=dev).view(n, 1))
+        if lengths is None:
+            lengths = _cached(_FULL_LENGTHS, (n, spec.lk, dev),
+                              lambda: torch.full((n,), spec.lk, dtype=torch.int64, device=dev))
+    return native.paged_decode(q, k, v, table, lengths, scale=spec.scale, starts=starts,
+                               **_terms(spec))
 
 
 def _key_rows(spec: AttentionSpec) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
@@ -171,18 +211,18 @@ def _packed_rows(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor, Tensor, 
     return torch.arange(sq.numel(), device=sq.device), starts, lens, rows, diagonal
 
 
-def _native_packed(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+def _native_packed(spec: AttentionSpec, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     """All packed sequences in one kernel call, each sequence's keys read in place (positions
-    within the sequence, as the spec's per-row alignment says)."""
+    within the sequence, as the spec's per-row alignment says); ``k``/``v`` token-major."""
     found = _packed_rows(spec)
     if found is None:
         return None
     idx, starts, lens, rows, diagonal = found
-    q, k, v = spec.q.detach(), spec.k.detach(), spec.v.detach()
+    q = spec.q.detach()
     nseq = lens.numel()
     qb = q[0].index_select(1, idx).view(spec.hq, nseq, rows, -1).transpose(0, 1)
     table = torch.zeros(nseq, 1, dtype=torch.int64)
-    o, l = native.paged_decode(qb, k.transpose(1, 2), v.transpose(1, 2), table, lens,
+    o, l = native.paged_decode(qb, k, v, table, lens,
                                scale=spec.scale, starts=starts,
                                **dict(_terms(spec), diagonal=diagonal))
     out = torch.zeros(1, spec.hq, spec.lq, spec.dv, dtype=o.dtype, device=q.device)
