@@ -24,7 +24,7 @@ from .spec import AttentionSpec
 
 #: Spec features the planner classifies tiles by and :func:`tile_visibility` evaluates.
 MASK_TERMS = frozenset({"window", "mask", "block_mask", "mask_mod", "seqlens_q", "seqlens_kv",
-                        "starts_kv", "segments", "row_offset"})
+                        "starts_kv", "segments", "batch_segments", "row_offset"})
 #: Score-tile budget (elements of N * Hq * bq * bk) for the tiled executor.
 TILE_ELEMENTS = 1 << 21
 #: Largest key tile of the tiled executor.
@@ -123,13 +123,16 @@ def _band_status(spec: AttentionSpec, bq: int, ks: Tensor, ke: Tensor):
 
 
 def _segment_status(spec: AttentionSpec, bq: int, bk: int):
-    qmin, qmax = _row_min_max(spec.segments_q.view(1, -1), bq)
-    kmin, kmax = _row_min_max(spec.segments_kv.view(1, -1), bk)
-    qmin, qmax = qmin.view(-1, 1), qmax.view(-1, 1)
-    kmin, kmax = kmin.view(1, -1), kmax.view(1, -1)
+    """Segments (ids shared by the batch, or one row of ids per batch row): a tile may hold a
+    visible pair where its query and key id ranges overlap, and is full where one id covers
+    both (in every batch row)."""
+    qmin, qmax = _row_min_max(spec.segments_q.reshape(-1, spec.lq), bq)  # (N|1, nqb)
+    kmin, kmax = _row_min_max(spec.segments_kv.reshape(-1, spec.lk), bk)  # (N|1, nkb)
+    qmin, qmax = qmin.unsqueeze(-1), qmax.unsqueeze(-1)
+    kmin, kmax = kmin.unsqueeze(-2), kmax.unsqueeze(-2)
     any_ = (qmin <= kmax) & (kmin <= qmax)
     full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-    return any_, full
+    return any_.any(0), full.all(0)
 
 
 def _seqlens_status(spec: AttentionSpec, qs: Tensor, qe: Tensor, ks: Tensor, ke: Tensor):
@@ -284,8 +287,9 @@ def range_visibility(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
             both(j < spec.seqlens_kv.view(-1, 1, 1, 1))
         if spec.starts_kv is not None:
             both(j >= spec.starts_kv.view(-1, 1, 1, 1))
-    if "segments" in terms:
-        both(spec.segments_q[q0:q1].view(1, 1, -1, 1) == spec.segments_kv[k0:k1].view(1, 1, 1, -1))
+    if "segments" in terms:  # (ids (L,) shared by the batch, or (N, L))
+        both(spec.segments_q[..., q0:q1].reshape(-1, 1, q1 - q0, 1)
+             == spec.segments_kv[..., k0:k1].reshape(-1, 1, 1, k1 - k0))
     if "mask" in terms:
         both(slice_tile(spec.mask, q0, q1, k0, k1))
     return vis

@@ -74,6 +74,7 @@ FEATURES = frozenset({
     "seqlens_kv",          # right padding of the keys
     "starts_kv",           # left padding of the keys (per-row key start offsets)
     "segments",            # documents / packed sequences: visible within one segment
+    "batch_segments",      # ... with segment ids per batch row (2-D document ids)
     "row_offset",          # a per-query-row diagonal shift (varlen's per-sequence alignment)
     "bias",                # an additive bias tensor
     "bias_grad",           # ... that requires grad (the backward needs dS)
@@ -198,7 +199,8 @@ class AttentionSpec:
     dropout_mask: Optional[Tensor] = None
     #: per-query-row shift of the diagonal (varlen: each row's own sequence alignment), (Lq,)
     row_offset: Optional[Tensor] = None
-    #: segment ids (Lq,), (Lk,): a pair is visible only within one segment (varlen, documents)
+    #: segment ids (Lq,), (Lk,), or per batch row (N, Lq), (N, Lk): a pair is visible only
+    #: within one segment (varlen, documents)
     segments_q: Optional[Tensor] = None
     segments_kv: Optional[Tensor] = None
     #: K/V read from pages (``k``/``v`` are then zero-stride stand-ins of the right shape)
@@ -264,7 +266,8 @@ class AttentionSpec:
                 ("seqlens_q", self.seqlens_q is not None),
                 ("seqlens_kv", self.seqlens_kv is not None),
                 ("starts_kv", self.starts_kv is not None),
-                ("segments", self.segments_q is not None),
+                ("segments", self.segments_q is not None and self.segments_q.dim() == 1),
+                ("batch_segments", self.segments_q is not None and self.segments_q.dim() == 2),
                 ("row_offset", self.row_offset is not None),
                 ("bias", self.bias is not None),
                 ("bias_grad", self.bias is not None and self.bias.requires_grad),
@@ -349,12 +352,17 @@ class AttentionSpec:
         elif extra and (self.has_band or slopes is not None):
             row_offset = torch.full((len_q - q0,), extra, dtype=torch.int64,
                                     device=self.q.device)
+        seg_q, seg_kv = self.segments_q, self.segments_kv
+        if seg_q is not None:  # (per-row ids become the row's own)
+            seg_q = (seg_q[b] if seg_q.dim() == 2 else seg_q)[q0:len_q]
+            seg_kv = (seg_kv[b] if seg_kv.dim() == 2 else seg_kv)[k0:len_kv]
         return replace(self, q=self.q[b:b + 1, :, q0:len_q], k=self.k[b:b + 1, :, k0:len_kv],
                        v=self.v[b:b + 1, :, k0:len_kv], batch_shape=(1,), mask=cut(self.mask),
                        bias=cut(self.bias), alibi_slopes=slopes, seqlens_q=None,
                        seqlens_kv=None, starts_kv=None, row_offset=row_offset,
                        mask_mod=shift(self.mask_mod, False),
-                       score_mod=shift(self.score_mod, True), sinks=None)
+                       score_mod=shift(self.score_mod, True), sinks=None,
+                       segments_q=seg_q, segments_kv=seg_kv)
 
     def output_shape(self, last: int) -> Tuple[int, ...]:
         if self.squeeze_heads:
@@ -656,10 +664,11 @@ def _block_mask(bm: Any, n: int, hq: int, lq: int, lk: int) -> Any:
 
 
 def absorb_mask_structure(spec: AttentionSpec) -> AttentionSpec:
-    """Turn a builtin mask_mod's structure (causal/window bands, 1-D documents, padding, and
-    ANDs of them) into analytic spec terms, so the planner skips and classifies tiles without
-    evaluating the mask. When every part converts, the mask_mod is dropped; otherwise it stays
-    (and is evaluated only on tiles the analytic terms leave alive)."""
+    """Turn a builtin mask_mod's structure (causal/window bands, documents with ids shared by
+    the batch or per batch row, and ANDs of them) into analytic spec terms, so the planner
+    skips and classifies tiles without evaluating the mask. When every part converts, the
+    mask_mod is dropped; otherwise it stays (and is evaluated only on tiles the analytic terms
+    leave alive)."""
     from .masks import structure_of
 
     st = structure_of(spec.mask_mod)
@@ -712,10 +721,11 @@ def _absorb_part(spec: AttentionSpec, st: Optional[dict]) -> Optional[AttentionS
         lo, hi = st["band"]  # visible iff lo <= j - i <= hi
         return replace(spec, left=None if lo is None else clamp_bound(off - lo, spec.lq, spec.lk),
                        right=None if hi is None else clamp_bound(hi - off, spec.lq, spec.lk))
-    if kind == "document":
+    if kind == "document":  # ids (L,) shared by the batch, or (N, L): one row per batch row
         ids_q, ids_kv = st["doc_ids_q"], st["doc_ids_kv"]
-        if (spec.segments_q is not None or ids_q.dim() != 1 or ids_q.shape[0] != spec.lq
-                or ids_kv.shape[0] != spec.lk):
+        rows = () if ids_q.dim() == 1 else (spec.n,)
+        if (spec.segments_q is not None or tuple(ids_q.shape) != (*rows, spec.lq)
+                or tuple(ids_kv.shape) != (*rows, spec.lk)):
             return None
         return replace(spec, segments_q=ids_q.to(spec.q.device, torch.int64),
                        segments_kv=ids_kv.to(spec.q.device, torch.int64))

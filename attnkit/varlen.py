@@ -39,8 +39,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
     ``diagonal`` (bottom-right uses each sequence's own lengths), ALiBi, softcap and GQA apply
     per sequence; a ``score_mod`` sees ``b`` = the sequence index and positions *within* the
     sequence. ``alibi_slopes`` is ``(Hq,)`` or per sequence ``(num_seqs, Hq)`` (FlashAttention's
-    layout). ``sinks`` and dropout (``dropout_p``, ``seed``) apply to every packed row. The
-    other options of :func:`attnkit.attention` but those in :data:`UNSUPPORTED` apply too.
+    layout). ``sinks`` (``(Hq,)``, with their gradient) apply to every packed row; dropout
+    (``dropout_p``, ``seed``, ``offset``) keeps weight ``(0, h, i, j)`` by the packed query
+    and key positions ``i``, ``j`` (replayable, the backward replays it). The other options of
+    :func:`attnkit.attention` but those in :data:`UNSUPPORTED` apply too.
     Zero-length sequences are allowed; no work is spent across sequences beyond the tiles that
     straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
     """

@@ -28,6 +28,9 @@ CASES = {
     "builtin_mask": ({"mask": masks.sliding_window(2, 0, "bottom_right", 12, 20)}, {"window"}),
     "documents": ({"mask": masks.document(torch.arange(12) // 5, torch.arange(20) // 7)},
                   {"segments"}),
+    "batch_documents": ({"mask": masks.document(torch.arange(24).view(2, 12) // 5,
+                                                torch.arange(40).view(2, 20) // 7)},
+                        {"batch_segments"}),
     "seqlens": ({"seqlens_q": [12, 5], "seqlens_kv": [20, 3]}, {"seqlens_q", "seqlens_kv"}),
     "starts_kv": ({"starts_kv": [0, 7]}, {"starts_kv"}),
     "bias": ({"bias": torch.randn(12, 20)}, {"bias"}),
@@ -113,8 +116,10 @@ def test_builtin_masks_become_analytic_terms():
     custom = lambda b, h, i, j: j % 2 == 0  # noqa: E731
     spec = build_spec(Q, K, K, mask=masks.and_masks(masks.causal(), custom))
     assert spec.right == 0 and spec.mask_mod is not None  # the custom part stays
-    ids = torch.randint(0, 3, (2, 20)).sort(-1).values  # per-batch ids: evaluated, correct
+    ids = torch.randint(0, 3, (2, 20)).sort(-1).values  # per-batch ids: per-row segments
     spec = build_spec(Q, K, K, mask=masks.document(ids[:, :12], ids))
+    assert spec.mask_mod is None and spec.segments_q.shape == (2, 12)
+    spec = build_spec(Q, K, K, mask=masks.document(ids[:1, :12], ids[:1]))  # 1 row for 2
     assert spec.segments_q is None and spec.mask_mod is not None
 
 

@@ -2,7 +2,8 @@
 
 - no mask term and no additive term (or every pair visible): one call on the whole problem;
 - plain causal, either diagonal: at most two calls on the whole problem;
-- documents / packed sequences (sorted segments, optionally causal): one call per segment;
+- documents / packed sequences (sorted segments, optionally causal): one call per segment
+  (documents given per batch row: each row on its own, then one call per segment);
 - padded batches (seqlens, starts_kv): each batch row on its true keys and the queries that see
   some of them (:meth:`AttentionSpec.slice_batch`);
 - otherwise, per query block, the key blocks with work: a short contiguous footprint (a band)
@@ -66,9 +67,10 @@ class FusedPlan:
 
 
 def _splittable(spec: AttentionSpec) -> bool:
-    """Padded batches whose rows can run on their true lengths."""
+    """Padded batches whose rows can run on their true lengths, and documents given per batch
+    row (each row then runs its own documents)."""
     f = spec.features()
-    return bool(f & {"seqlens_q", "seqlens_kv", "starts_kv"}) and not f & {
+    return bool(f & {"seqlens_q", "seqlens_kv", "starts_kv", "batch_segments"}) and not f & {
         "block_mask", "segments", "row_offset"}
 
 
@@ -182,7 +184,7 @@ def _segment_pieces(spec: AttentionSpec, plan: Plan) -> Optional[List[Piece]]:
     if band and (spec.left is not None or spec.right != 0):
         return None
     sq, sk = spec.segments_q, spec.segments_kv
-    if bool((sq.diff() < 0).any()) or bool((sk.diff() < 0).any()):
+    if sq.dim() != 1 or bool((sq.diff() < 0).any()) or bool((sk.diff() < 0).any()):
         return None
     ip = spec.aligned_rows().reshape(-1, spec.lq) if band else None
     if ip is not None and ip.shape[0] != 1:
