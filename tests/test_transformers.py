@@ -409,13 +409,23 @@ def test_packed_sequences_position_ids(monkeypatch):
             want = _model("llama", "sdpa")(ids.expand(rows, -1), use_cache=False,
                                            position_ids=pos.expand(rows, -1)).logits
         assert (got - want).abs().max() <= 1e-4
-        if rows == 1:
-            kws = _options(spy)
-            assert kws and all(ak_masks.structure_of(kw["mask"])["kind"] == "document"
-                               for kw in kws)
-        else:
-            assert len(_options(spy, "varlen_attention")) == 2  # one per layer
+        kws = _options(spy)  # documents, per batch row when rows differ: no dense mask
+        assert len(kws) == 2 and not _options(spy, "varlen_attention")
+        for kw in kws:
+            st = ak_masks.structure_of(kw["mask"])
+            assert st["kind"] == "document" and st["doc_ids_q"].dim() == 1
         monkeypatch.undo()
+    spy = _Spy(monkeypatch)
+    pos2 = torch.stack([pos[0], torch.cat([torch.arange(7), torch.arange(5)])])
+    with torch.no_grad():
+        got = _model("llama", "attnkit")(ids.expand(2, -1), use_cache=False,
+                                         position_ids=pos2).logits
+        want = _model("llama", "sdpa")(ids.expand(2, -1), use_cache=False,
+                                       position_ids=pos2).logits
+    assert (got - want).abs().max() <= 1e-4
+    for kw in _options(spy):
+        assert ak_masks.structure_of(kw["mask"])["doc_ids_q"].shape == (2, 12)
+    monkeypatch.undo()
     with torch.no_grad():
         alone = torch.cat([_model("llama", "attnkit")(part, use_cache=False).logits for part in
                            ids.split(lengths, dim=1)], dim=1)
@@ -484,6 +494,7 @@ PADDINGS = {
     "left": [[0] * 3 + [1] * 9, [0] * 7 + [1] * 5],
     "holes": [[1, 0] * 6, [0, 1, 1] * 4],
     "tail": [[0] * 2 + [1] * 6 + [0] * 4, [1] * 8 + [0] * 4],  # static cache, left padded
+    "both": [[0] * 2 + [1] * 5 + [0] * 5, [0] * 4 + [1] * 6 + [0] * 2],  # a span per row
 }
 
 
@@ -515,7 +526,7 @@ def test_description_equals_transformers_mask(pattern, padding, sizes):
     ref = attnkit.attention_reference(q, k, v, mask=want)
     assert torch.allclose(out.transpose(1, 2), ref, atol=1e-10)
     low = desc.lowered()
-    if padding in ("none", "right") and want.any():  # structure only: no tensor mask
+    if padding not in ("holes",) and want.any():  # structure only: no tensor mask
         assert "mask" not in low.options, low
 
 

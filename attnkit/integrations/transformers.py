@@ -41,10 +41,12 @@ StaticCache (keys past the seen        the unused tail of the cache is cut off, 
 tokens)
 right padding                          ``seqlens_kv`` (the real lengths)
 left padding                           ``starts_kv`` (each row's first real key)
+padding on both sides                  ``starts_kv`` and ``seqlens_kv`` (one span per row)
 any other padding                      a ``(B, 1, 1, Lk)`` bool key mask
-packed sequences (``position_ids``     batch 1: ``mask=attnkit.masks.document(ids)`` (absorbed
-restarts), ``cu_seq_lens_q/k``         as segments, no dense mask); batch > 1:
-                                       :func:`attnkit.varlen_attention`
+packed sequences (``position_ids``     ``mask=attnkit.masks.document(ids)``, the ids per batch
+restarts)                              row where rows differ (absorbed as segments, no dense
+                                       mask)
+packed inputs (``cu_seq_lens_q/k``)    :func:`attnkit.varlen_attention`
 softcap (Gemma 2)                      ``softcap``
 ``s_aux`` sinks (gpt-oss)              ``sinks`` (with their gradient)
 ``position_bias`` (T5)                 ``bias`` (with its gradient)
@@ -61,17 +63,31 @@ it may see (as in "sdpa" and "eager"), so attnkit does not pass ``seqlens_q`` an
 match at every position. A query row that sees no key at all (left padding in a causal model)
 gives 0, as "sdpa" does ("eager" gives the mean of V there).
 
-Continuous batching (``generate_batch`` / ``PagedAttentionCache``) is not reachable: transformers
-5's ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` accepts only ``"paged|eager"``,
-``"sdpa"`` or a name containing ``"flash"`` and raises ``ValueError`` for any other registered
-implementation, and it builds attention masks only for ``"paged|eager"`` and ``"sdpa"``. The
-attention function is ready for the packed form that path produces (query ``(1, Hq, T, D)``,
-keys gathered per request, ``cu_seq_lens_q/k``: it runs :func:`attnkit.varlen_attention` with a
-bottom-right diagonal per request). Its decode-only fast path passes ``k_cache``/``v_cache``
-pages ``(P, page, Hkv, D)`` and a ``block_table`` expecting the kernel to write the new tokens
-into the pages first (``flash_attn_with_kvcache``); attnkit's
-:func:`attnkit.paged_attention_blocks` reads that layout but does not write, so that path raises
-``NotImplementedError`` here rather than attend to a cache without the new token.
+Continuous batching (``generate_batch`` / ``PagedAttentionCache``) cannot reach attnkit, and
+its pages cannot reach :func:`attnkit.paged_attention_blocks`, for reasons inside transformers
+(checked in 5.24, ``generation/continuous_batching``), none of which this module can change:
+
+1. ``ContinuousBatchingManager.switch_to_cb_friendly_attn`` accepts only ``"paged|eager"``,
+   ``"sdpa"`` or a name containing ``"flash"`` and raises ``ValueError`` for every other
+   registered implementation. A name containing ``"flash"`` would make transformers treat
+   attnkit as FlashAttention everywhere (``is_flash_attention_requested``: no attention masks
+   built, FlashAttention keywords), which is why :func:`register` refuses such names.
+2. The pages themselves reach an attention function only on the "decode fast path"
+   (``block_table`` with the ``k_cache``/``v_cache`` page views), which
+   ``ensure_decode_fast_path_is_available`` turns on only for FlashAttention 2/3 on CUDA (or
+   FlashAttention 2 on XPU), after importing that implementation's ``flash_attn_with_kvcache``.
+   Everywhere else, the CPU included, ``PagedAttentionCache.update`` writes the new tokens and
+   gathers every request's keys with ``index_select`` (``read_index``): the attention function
+   receives contiguous packed K/V, not pages.
+3. On that fast path the kernel is expected to write the new tokens into the pages itself
+   (``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=...)``), which
+   :func:`attnkit.paged_attention_blocks` (a reader of that page layout) does not do.
+
+What does reach this function, were transformers to allow the name, is the gathered packed
+form (query ``(1, Hq, T, D)``, keys gathered per request, ``cu_seq_lens_q/k``), which it runs as
+:func:`attnkit.varlen_attention` with a bottom-right diagonal per request (tested); a call
+with a ``block_table`` raises ``NotImplementedError`` rather than attend to pages without the
+new tokens.
 """
 
 from __future__ import annotations
@@ -115,18 +131,14 @@ _RESERVED = ("eager", "sdpa", "flex_attention")
 
 @dataclass(frozen=True)
 class Lowered:
-    """How one :class:`MaskDescription` runs: ``mode`` is ``"attention"`` (one
-    :func:`attnkit.attention` call) or ``"varlen"`` (:func:`attnkit.varlen_attention` over the
-    flattened batch, ``cu_seqlens`` the sequence boundaries); the call reads keys
-    ``kv_start:kv_stop`` (the others are hidden from every query: a static cache's unused tail,
-    keys that slid out of a window); ``options`` are the attnkit keywords that carry the mask
-    on those keys."""
+    """How one :class:`MaskDescription` runs: one :func:`attnkit.attention` call that reads
+    keys ``kv_start:kv_stop`` (the others are hidden from every query: a static cache's unused
+    tail, keys that slid out of a window); ``options`` are the attnkit keywords that carry the
+    mask on those keys."""
 
-    mode: str
     kv_start: int
     kv_stop: int
     options: Dict[str, Any]
-    cu_seqlens: Optional[Tensor] = None
 
 
 @dataclass
@@ -142,7 +154,8 @@ class MaskDescription:
 
     unless ``dense`` (a ``(B, 1, Lq, Lk)`` bool tensor from transformers' ``sdpa_mask``) is set,
     which then says it all (``reason`` says why). ``padding`` classifies ``keys``: ``"right"``
-    (``seqlens``), ``"left"`` (``starts``), ``"keys"`` (anything else) or None; ``kv_used`` is the
+    (``seqlens``), ``"left"`` (``starts``), ``"both"`` (``starts`` and ``seqlens``: one span per
+    row), ``"keys"`` (anything else) or None; ``kv_used`` is the
     number of leading keys any query may see (a ``StaticCache``'s unused tail is cut off).
     """
 
@@ -364,8 +377,9 @@ def _key_padding(attention_mask: Optional[Tensor], batch: int, kv_length: int,
 
 
 def _classify_keys(keys: Optional[Tensor], kv_length: int) -> Dict[str, Any]:
-    """Right padding (lengths), left padding (starts) or a general key mask; the unused tail
-    that no row sees is cut off (``kv_used``)."""
+    """Right padding (lengths), left padding (starts), both (one span of real keys per row:
+    starts and ends) or a general key mask; the unused tail that no row sees is cut off
+    (``kv_used``)."""
     if keys is None or bool(keys.all()):
         return {"keys": None, "padding": None, "kv_used": kv_length}
     seen = keys.any(0).nonzero()
@@ -381,7 +395,12 @@ def _classify_keys(keys: Optional[Tensor], kv_length: int) -> Dict[str, Any]:
     elif torch.equal(keys, ar >= (kv_used - lengths)[:, None]):
         out.update(padding="left", starts=kv_used - lengths)
     else:
-        out.update(padding="keys")
+        first = keys.to(torch.uint8).argmax(-1)  # each row's first real key (0 for none)
+        ends = first + lengths
+        if torch.equal(keys, (ar >= first[:, None]) & (ar < ends[:, None])):
+            out.update(padding="both", starts=first, seqlens=ends)  # one span per row
+        else:
+            out.update(padding="keys")
     return out
 
 
@@ -467,19 +486,8 @@ def _band_options(lo: Optional[int], hi: Optional[int], lq: int, lk: int,
     return None
 
 
-def _cu_from_documents(ids: Tensor) -> Tensor:
-    """Sequence boundaries of the flattened batch: a new sequence at each row start and each
-    change of document id."""
-    n, length = ids.shape
-    start = torch.ones_like(ids, dtype=torch.bool)
-    start[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    pos = start.reshape(-1).nonzero().view(-1)
-    total = torch.tensor([n * length], device=ids.device)
-    return torch.cat([pos, total]).to(torch.int64)
-
-
 def _dense(desc: MaskDescription) -> Lowered:
-    return Lowered("attention", 0, desc.kv_length, {"mask": desc.to_dense()})
+    return Lowered(0, desc.kv_length, {"mask": desc.to_dense()})
 
 
 def _on_keys(desc: MaskDescription, start: int, stop: int,
@@ -490,8 +498,9 @@ def _on_keys(desc: MaskDescription, start: int, stop: int,
     stop = start + cls["kv_used"]
     lo = None if desc.lo is None else desc.lo - start
     hi = None if desc.hi is None else desc.hi - start
+    # (with real lengths, attnkit's bottom-right diagonal would move to each row's end)
     band = _band_options(lo, hi, desc.q_length, stop - start,
-                         bottom_right=bottom_right and cls["padding"] != "right")
+                         bottom_right=bottom_right and cls["padding"] not in ("right", "both"))
     if band is None:
         return None
     opts = dict(band)
@@ -499,23 +508,25 @@ def _on_keys(desc: MaskDescription, start: int, stop: int,
         opts["seqlens_kv"] = cls["seqlens"]
     elif cls["padding"] == "left":
         opts["starts_kv"] = cls["starts"]  # the planner skips the padded key blocks
+    elif cls["padding"] == "both":
+        opts.update(starts_kv=cls["starts"], seqlens_kv=cls["seqlens"])
     elif cls["padding"] == "keys":
         opts["mask"] = cls["keys"][:, None, None, :]
-    return Lowered("attention", start, stop, opts)
+    return Lowered(start, stop, opts)
 
 
 def _lower(desc: MaskDescription) -> Lowered:
     if desc.dense is not None:
-        return Lowered("attention", 0, desc.kv_length, {"mask": desc.dense})
+        return Lowered(0, desc.kv_length, {"mask": desc.dense})
     lq, lk = desc.q_length, desc.kv_used
     if desc.documents is not None:  # (no cache, no padding: Lq == Lk, offsets 0)
         band = _band_options(desc.lo, desc.hi, lq, lk, bottom_right=False)
         if band is None or desc.padding is not None:
             return _dense(desc)
-        if desc.batch_size == 1:
-            return Lowered("attention", 0, lk,
-                           {"mask": _masks.document(desc.documents[0]), **band})
-        return Lowered("varlen", 0, lk, band, cu_seqlens=_cu_from_documents(desc.documents))
+        ids = desc.documents  # (B, L): one row of ids per batch row, unless they all agree
+        if bool((ids == ids[:1]).all()):
+            ids = ids[0]
+        return Lowered(0, lk, {"mask": _masks.document(ids), **band})
     stop = lk if desc.hi is None else max(1, min(lk, lq + desc.hi))  # keys past the band
     low = _on_keys(desc, 0, stop, bottom_right=True)
     if low is None and desc.lo is not None and 0 < desc.lo < stop:
@@ -675,17 +686,11 @@ def attnkit_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         desc = MaskDescription(1, lq, lk, lo=desc.lo, hi=desc.hi, documents=ids)
     if desc is not None:
         low = desc.lowered()
-        if low.mode == "varlen" and (bias is not None or weights_wanted):
-            low = _dense(desc)
         kv_start, kv_stop = low.kv_start, low.kv_stop
         if (kv_start, kv_stop) != (0, lk):
             key, value = key[:, :, kv_start:kv_stop], value[:, :, kv_start:kv_stop]
             if bias is not None and bias.shape[-1] == lk:
                 bias = bias[..., kv_start:kv_stop]
-        if low.mode == "varlen":
-            cu_all = low.cu_seqlens
-            out = _varlen(query, key, value, cu_all, cu_all, low.options, common)
-            return out.contiguous(), None
         extra.update(low.options)
     if bias is not None:
         extra["bias"] = bias
