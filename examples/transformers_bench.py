@@ -5,13 +5,18 @@
 A 4-layer Llama (hidden 512, 8 heads, 2 key/value heads, head dim 64, MLP 1408, vocabulary
 8192, random weights built from the config) at batch 2 x 2048 tokens: the median time of a
 forward and of a forward + backward (cross-entropy on every token), in float32 and bfloat16;
-then greedy generation (2 prompts of 256 tokens, 64 new tokens each) in tokens per second. The
-same model with a Mistral-style sliding window of 512 at batch 1 x 8192 tokens, with the share
-of each step spent in the attention calls (torch.profiler, a record_function around each
-call). Before timing, each pair is checked to agree (logits, generated tokens).
+then greedy generation (2 prompts of 256 tokens, 64 new tokens each; then the same with the
+second prompt left-padded by 64 tokens) in tokens per second, and one decoding step's attention
+call alone (batch 2, 8 query and 2 key/value heads, 257 cached keys, head dim 64: p50 and p90
+of 2000 calls, in microseconds). The same model with a Mistral-style sliding window of 512 at
+batch 1 x 8192 tokens, with the time of each step spent in the attention calls
+(torch.profiler, a record_function around each call). Before timing, each pair is checked to
+agree (logits, generated tokens).
 
 Printed: the CPU (lscpu's model name and its SIMD flags), the load average before and after,
-torch's thread count, and one table. ``--quick`` shrinks every size for a smoke run.
+torch's thread count, and one table whose last column is the CPU other processes used while
+that row was measured (in cores, from /proc: on a shared machine a row with much of it is not
+to be trusted). ``--quick`` shrinks every size for a smoke run.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from transformers import (
 )
 
 import attnkit.integrations.transformers  # noqa: F401  (registers "attnkit")
+from attnkit.bench.runner import cpu_sample, others_cpu_cores
 
 IMPLS = ("sdpa", "attnkit")
 #: autograd nodes of the attention calls: torch SDPA's (fused or math) and attnkit's
@@ -104,19 +110,53 @@ def step_fns(model, ids) -> Tuple[Callable[[], object], Callable[[], object]]:
     return forward, forward_backward
 
 
-def generation_rates(models, prompts, new: int, repeat: int) -> Tuple[Dict[str, float], bool]:
-    """Greedy generation of ``new`` tokens per prompt: new tokens per second for each
-    implementation, and whether they generated the same tokens."""
+def generation_rates(models, prompts, new: int, repeat: int,
+                     mask=None) -> Tuple[Dict[str, float], bool]:
+    """Greedy generation of ``new`` tokens per prompt (``mask``: the padding mask, all ones by
+    default): new tokens per second for each implementation, and whether they generated the
+    same tokens."""
     tokens, rate = {}, {}
+    mask = torch.ones_like(prompts) if mask is None else mask
     for impl in IMPLS:
         def gen(impl: str = impl) -> None:
             with torch.no_grad():
                 tokens[impl] = models[impl].generate(
-                    prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                    prompts, attention_mask=mask, max_new_tokens=new,
                     min_new_tokens=new, do_sample=False, pad_token_id=0)
 
         rate[impl] = prompts.shape[0] * new / median_s(gen, repeat)
     return rate, torch.equal(tokens["sdpa"], tokens["attnkit"])
+
+
+def decode_step_us(calls: int = 2000) -> Dict[str, Tuple[float, float]]:
+    """One decoding step's attention call, as the 4-layer Llama makes it (batch 2, 8 query and
+    2 key/value heads, 257 cached keys, head dim 64, float32, no grad): (p50, p90) of
+    ``calls`` calls in microseconds, ``time.perf_counter_ns``, the implementations
+    interleaved in rounds of 200."""
+    import attnkit
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 1, 64, generator=g)
+    k, v = torch.randn(2, 2, 257, 64, generator=g), torch.randn(2, 2, 257, 64, generator=g)
+    fns = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+               q, k, v, is_causal=False, enable_gqa=True),
+           "attnkit": lambda: attnkit.attention(q, k, v, causal=True, diagonal="bottom_right")}
+    times: Dict[str, List[int]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            for _ in range(200):
+                fn()
+        for _ in range(max(1, calls // 200)):
+            for name, fn in fns.items():
+                for _ in range(200):
+                    t0 = time.perf_counter_ns()
+                    fn()
+                    times[name].append(time.perf_counter_ns() - t0)
+    out = {}
+    for name, ts in times.items():
+        ts.sort()
+        out[name] = (ts[len(ts) // 2] / 1e3, ts[int(len(ts) * 0.9)] / 1e3)
+    return out
 
 
 def attention_share(model, fn: Callable[[], object], impl: str) -> float:
@@ -146,6 +186,20 @@ def attention_share(model, fn: Callable[[], object], impl: str) -> float:
     return attention / max(step, 1e-9)
 
 
+class Rows(list):
+    """Table rows, each ending with the cores' worth of CPU that other processes used since
+    the previous row (``n/a`` without /proc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mark = cpu_sample()
+
+    def add(self, *cells: str) -> None:
+        others = others_cpu_cores(self.mark, cpu_sample())
+        self.append((*cells, "n/a" if others is None else f"{others:.2f}"))
+        self.mark = cpu_sample()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -159,7 +213,7 @@ def main() -> None:
     print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average before: "
           f"{load_average()}")
-    rows: List[Tuple[str, ...]] = []
+    rows = Rows()
     g = torch.Generator().manual_seed(0)
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -171,15 +225,29 @@ def main() -> None:
         print(f"llama {dname}: max |attnkit - sdpa| logits {(a - b).abs().max().item():.2e}")
         for what, idx in (("forward", 0), ("forward+backward", 1)):
             t = {i: median_s(step_fns(models[i], ids)[idx], args.repeat) for i in IMPLS}
-            rows.append((f"llama {batch}x{seq}", dname, what, f"{t['sdpa'] * 1e3:.0f} ms",
-                         f"{t['attnkit'] * 1e3:.0f} ms", f"{t['sdpa'] / t['attnkit']:.2f}x"))
+            rows.add(f"llama {batch}x{seq}", dname, what, f"{t['sdpa'] * 1e3:.0f} ms",
+                     f"{t['attnkit'] * 1e3:.0f} ms", f"{t['sdpa'] / t['attnkit']:.2f}x")
         if dtype == torch.float32:
             prompts = torch.randint(3, 8192, (2, prompt), generator=g)
             rate, same = generation_rates(models, prompts, new, max(1, args.repeat - 1))
-            rows.append((f"generate 2x{prompt}+{new}", dname, "tokens/s",
-                         f"{rate['sdpa']:.1f}", f"{rate['attnkit']:.1f}",
-                         f"{rate['attnkit'] / rate['sdpa']:.2f}x" + ("" if same else " (!)")))
+            rows.add(f"generate 2x{prompt}+{new}", dname, "tokens/s",
+                     f"{rate['sdpa']:.1f}", f"{rate['attnkit']:.1f}",
+                     f"{rate['attnkit'] / rate['sdpa']:.2f}x" + ("" if same else " (!)"))
             print(f"generate: same tokens for sdpa and attnkit: {same}")
+            pad = prompt // 4
+            mask = torch.ones_like(prompts)
+            mask[1, :pad] = 0  # the second prompt left-padded
+            padded = prompts.masked_fill(mask == 0, 0)
+            rate, same = generation_rates(models, padded, new, max(1, args.repeat - 1), mask)
+            rows.add(f"generate 2x{prompt}+{new}, {pad} left pad", dname, "tokens/s",
+                     f"{rate['sdpa']:.1f}", f"{rate['attnkit']:.1f}",
+                     f"{rate['attnkit'] / rate['sdpa']:.2f}x" + ("" if same else " (!)"))
+            print(f"generate, left padded: same tokens for sdpa and attnkit: {same}")
+            us = decode_step_us(400 if q else 2000)
+            rows.add("decode step 2x8/2 heads, 257 keys", dname, "us p50 / p90",
+                     f"{us['sdpa'][0]:.0f} / {us['sdpa'][1]:.0f}",
+                     f"{us['attnkit'][0]:.0f} / {us['attnkit'][1]:.0f}",
+                     f"{us['sdpa'][0] / us['attnkit'][0]:.2f}x")
         del models
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -195,14 +263,16 @@ def main() -> None:
                 fn = step_fns(models[impl], ids)[idx]
                 t[impl] = median_s(fn, max(1, args.repeat - 1))
                 share[impl] = attention_share(models[impl], fn, impl)
-            rows.append((f"mistral sw{window} 1x{long_seq}", dname, what,
-                         f"{t['sdpa'] * 1e3:.0f} ms ({share['sdpa']:.0%} attn)",
-                         f"{t['attnkit'] * 1e3:.0f} ms ({share['attnkit']:.0%} attn)",
-                         f"{t['sdpa'] / t['attnkit']:.2f}x"))
+            attn = {i: t[i] * share[i] for i in IMPLS}  # seconds in the attention calls
+            rows.add(f"mistral sw{window} 1x{long_seq}", dname, what,
+                     f"{t['sdpa'] * 1e3:.0f} ms (attn {attn['sdpa'] * 1e3:.0f} ms)",
+                     f"{t['attnkit'] * 1e3:.0f} ms (attn {attn['attnkit'] * 1e3:.0f} ms)",
+                     f"{t['sdpa'] / t['attnkit']:.2f}x (attn "
+                     f"{attn['sdpa'] / max(attn['attnkit'], 1e-9):.2f}x)")
         del models
 
     print(f"load average after: {load_average()}")
-    head = ("model", "dtype", "step", "sdpa", "attnkit", "attnkit speed-up")
+    head = ("model", "dtype", "step", "sdpa", "attnkit", "attnkit speed-up", "others' CPU")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |"
     print(line)
