@@ -513,7 +513,8 @@ UNSUPPORTED = {
     "bias": "a bias describes one local (Lq, Lk) grid; use score_mod with global positions",
     "diagonal": "positions are global: the diagonal is top-left",
     "seqlens_q": "pad the global sequence instead", "seqlens_kv": "pad the global sequence "
-    "instead", "sinks": "not yet carried around the ring", "dropout_p": "not yet replayed "
+    "instead", "starts_kv": "pad the global sequence instead",
+    "sinks": "not yet carried around the ring", "dropout_p": "not yet replayed "
     "around the ring", "seed": "no dropout", "offset": "no dropout",
     "dropout_mask": "a keep mask describes one local grid",
 }

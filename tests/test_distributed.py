@@ -360,3 +360,11 @@ def test_block_plan_matches_dense_band():
                     vis &= jj <= ii + right
                 got[blk.q0:blk.q1, blk.k0:blk.k1] = vis
             assert torch.equal(got, want), (qs, qn, ks, kn, lo, hi, blk)
+
+
+def test_ring_attention_refuses_starts_kv_instead_of_ignoring_it():
+    from attnkit import distributed
+
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(NotImplementedError, match="starts_kv"):
+        distributed.ring_attention(q, q, q, starts_kv=torch.tensor([2]))
