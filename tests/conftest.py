@@ -38,6 +38,28 @@ def fa_tolerance_ok(out, ref, plain, mult: float = 2.0) -> tuple:
     return err <= mult * base + 1e-5, err, base
 
 
+def assert_plan_follows(spec, plan, vis):
+    """The plan against the dense visibility ``vis`` (N, Hq, Lq, Lk) of the raw keywords: no
+    tile with a visible pair is skipped, a tile marked full by every term is all visible, and
+    each planned tile's visibility equals the dense one."""
+    from attnkit.plan import tile_visibility
+
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        for kb in range(plan.nkb):
+            k0, k1 = plan.k_range(kb)
+            dense = vis[:, :, q0:q1, k0:k1]
+            if bool(dense.any()):  # work is never skipped
+                assert bool(plan.any[qb, kb]), (qb, kb)
+            if not bool(plan.any[qb, kb]):
+                continue
+            if all(bool(f[qb, kb]) for f in plan.term_full.values()):
+                assert bool(dense.all()), (qb, kb)  # "full" means every pair visible
+            got = tile_visibility(spec, plan, qb, kb)
+            got = torch.ones_like(dense) if got is None else got.expand_as(dense)
+            assert torch.equal(got, dense), (qb, kb)
+
+
 def rand(*shape, dtype=torch.float64, requires_grad=False, gen=None):
     x = torch.randn(*shape, dtype=torch.float64, generator=gen).to(dtype)
     return x.requires_grad_(requires_grad)

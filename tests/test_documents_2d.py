@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rand
+from conftest import assert_plan_follows, rand
 
 import attnkit
 from attnkit import masks, score_mods
 from attnkit.backends import fused
 from attnkit.dropout import keep_mask
-from attnkit.plan import make_plan, tile_visibility
+from attnkit.plan import make_plan
 from attnkit.reference import attention_reference as ref
 from attnkit.reference import scores
 from attnkit.spec import build_spec
@@ -75,21 +75,7 @@ def test_the_plan_skips_tiles_across_documents(name, tiles):
     q, k, v = _inputs(grad=False)
     spec = build_spec(q, k, v, **kw)
     vis = scores(q, k, v, **kw)[1]
-    plan = make_plan(spec, bq=tiles[0], bk=tiles[1])
-    for qb in range(plan.nqb):
-        q0, q1 = plan.q_range(qb)
-        for kb in range(plan.nkb):
-            k0, k1 = plan.k_range(kb)
-            dense = vis[:, :, q0:q1, k0:k1]
-            if bool(dense.any()):
-                assert bool(plan.any[qb, kb])
-            if not bool(plan.any[qb, kb]):
-                continue
-            if all(bool(f[qb, kb]) for f in plan.term_full.values()):
-                assert bool(dense.all())
-            got = tile_visibility(spec, plan, qb, kb)
-            got = torch.ones_like(dense) if got is None else got.expand_as(dense)
-            assert torch.equal(got, dense), (qb, kb)
+    assert_plan_follows(spec, make_plan(spec, bq=tiles[0], bk=tiles[1]), vis)
     if tiles == (8, 8) and name == "documents":  # rows 0 and 2: queries 0..7 and keys
         two = build_spec(q[[0, 2]], k[[0, 2]], v[[0, 2]], mask=masks.document(_ids()[[0, 2]]))
         assert not bool(make_plan(two, bq=8, bk=8).any[0, 4])  # 32..39 share no document

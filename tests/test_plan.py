@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_plan_follows
 
 import attnkit
 from attnkit import masks
-from attnkit.plan import choose_tiles, make_plan, tile_visibility
+from attnkit.plan import choose_tiles, make_plan
 from attnkit.reference import scores
 from attnkit.spec import build_spec
 
@@ -59,21 +60,7 @@ def test_the_plan_never_skips_work_and_its_tiles_are_right(name, tiles):
     spec = build_spec(q, k, k, **kw)
     vis = scores(q, k, k, **kw)[1]  # (N, Hq, Lq, Lk), dense, from the raw keywords
     bq, bk = tiles if spec.block_mask is None else choose_tiles(spec)
-    plan = make_plan(spec, bq=bq, bk=bk)
-    for qb in range(plan.nqb):
-        q0, q1 = plan.q_range(qb)
-        for kb in range(plan.nkb):
-            k0, k1 = plan.k_range(kb)
-            dense = vis[:, :, q0:q1, k0:k1]
-            if bool(dense.any()):  # work is never skipped
-                assert bool(plan.any[qb, kb]), (qb, kb)
-            if not bool(plan.any[qb, kb]):
-                continue
-            if all(bool(f[qb, kb]) for f in plan.term_full.values()):
-                assert bool(dense.all()), (qb, kb)  # "full" means every pair visible
-            got = tile_visibility(spec, plan, qb, kb)
-            got = torch.ones_like(dense) if got is None else got.expand_as(dense)
-            assert torch.equal(got, dense), (qb, kb)
+    assert_plan_follows(spec, make_plan(spec, bq=bq, bk=bk), vis)
 
 
 def test_tiles_follow_the_block_mask_and_the_budget():
