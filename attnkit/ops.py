@@ -150,13 +150,13 @@ def _mod(cfg: Optional[Dict[str, Any]], mod_tensors: Sequence[Tensor]) -> Any:
 
 
 def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
-           tensors: Sequence[Optional[Tensor]], config: str) -> Any:
-    """The :class:`attnkit.spec.AttentionSpec` of an op call (validated by ``build_spec``).
-    Tensors that the call differentiates (the config's ``grads``) are marked as requiring grad
-    (an op's inputs arrive detached), so the spec has the learnable terms of eager mode."""
+           tensors: Sequence[Optional[Tensor]], cfg: Dict[str, Any]) -> Any:
+    """The :class:`attnkit.spec.AttentionSpec` of an op call (validated by ``build_spec``) from
+    its arguments and parsed config. Tensors that the call differentiates (the config's
+    ``grads``) are marked as requiring grad (an op's inputs arrive detached), so the spec has
+    the learnable terms of eager mode."""
     from .spec import Options, PagedKV, build_spec
 
-    cfg = json.loads(config)
     wants = set(cfg.get("grads", ()))
     grad_tensors = [t.detach().requires_grad_(True) if i in wants else t
                     for i, t in enumerate(grad_tensors)]
@@ -235,8 +235,9 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Tensor],
     ``max_scores`` is empty unless the config asks for it)."""
     from . import backends
 
-    spec, _ = unpack(q, k, v, grad_tensors, tensors, config)
-    executor = backends.select(spec, json.loads(config)["backend"])
+    cfg = json.loads(config)
+    spec, _ = unpack(q, k, v, grad_tensors, tensors, cfg)
+    executor = backends.select(spec, cfg["backend"])
     with torch.no_grad():
         res = executor.forward(spec, executor.make_plan(spec))
     out = res.out.to(q.dtype).reshape(spec.output_shape(spec.dv)).contiguous()
@@ -259,23 +260,23 @@ def _grads(spec: Any, g: Any, q: Tensor, k: Tensor, v: Tensor, grad_tensors: Seq
            marked: Sequence[Tensor], cfg: Dict[str, Any]) -> List[Tensor]:
     """``[dq, dk, dv, *d(grad_tensors)]`` in the inputs' shapes; an empty tensor for an input
     the call does not differentiate."""
-    from .api import _unbroadcast, _unbroadcast_input
+    from .autograd import unbroadcast, unbroadcast_input
 
-    res = [_unbroadcast_input(g.dq, spec, q).to(q.dtype),
-           _unbroadcast_input(g.dk, spec, k).to(k.dtype),
-           _unbroadcast_input(g.dv, spec, v).to(v.dtype)]
+    res = [unbroadcast_input(g.dq, spec, q).to(q.dtype),
+           unbroadcast_input(g.dk, spec, k).to(k.dtype),
+           unbroadcast_input(g.dv, spec, v).to(v.dtype)]
     names = cfg["options"]
+    wants = set(cfg.get("grads", ()))
     by_id = {id(p): dp for p, dp in zip(spec.score_mod_params, g.dparams)}
     for i, (orig, m) in enumerate(zip(grad_tensors, marked)):
         name = names[i] if i < len(names) else None
         if name == "bias":
-            d = None if g.dbias is None else _unbroadcast(g.dbias, spec, orig.shape)
+            d = None if g.dbias is None else unbroadcast(g.dbias, spec, orig.shape)
         elif name == "sinks":
             d = g.dsinks
         else:
             d = by_id.get(id(m))
-        res.append(q.new_empty(0) if d is None or i not in set(cfg.get("grads", ()))
-                   else d.to(orig.dtype))
+        res.append(q.new_empty(0) if d is None or i not in wants else d.to(orig.dtype))
     return res
 
 
@@ -286,8 +287,8 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Te
     """The backward: ``[dq, dk, dv, *d(grad_tensors)]`` (empty where not differentiated)."""
     from . import backends
 
-    spec, marked = unpack(q, k, v, grad_tensors, tensors, config)
     cfg = json.loads(config)
+    spec, marked = unpack(q, k, v, grad_tensors, tensors, cfg)
     executor = backends.select(spec, cfg["backend"])
     canon = (spec.n, spec.hq, spec.lq)
     g = executor.backward(spec, executor.make_plan(spec), out.reshape(*canon, spec.dv),
@@ -348,7 +349,7 @@ def _differentiable_backward(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequ
 
     cfg = json.loads(config)
     cfg.pop("grads", None)  # the saved tensors carry their own requires_grad
-    spec, marked = unpack(q, k, v, grad_tensors, tensors, json.dumps(cfg))
+    spec, marked = unpack(q, k, v, grad_tensors, tensors, cfg)
     canon = (spec.n, spec.hq, spec.lq)
     g = tiled.backward(spec, tiled.make_plan(spec), out.reshape(*canon, spec.dv),
                        lse.reshape(canon), dout.reshape(*canon, spec.dv),
