@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import backends, compiled
-from .autograd import _no_autocast, run
+from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from .checks import autocast_dtype, autocast_inputs
 from .ops import is_compiling
 from .score_terms import index_grid
@@ -121,11 +121,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     wanted = frozenset({"max_scores"}) if return_aux is not None and return_aux.max_scores else (
         frozenset())
     if is_compiling():
-        return compiled.attention(q, k, v, opts, wanted, return_lse, return_aux, return_weights,
-                                  backend)
+        if compiled.runs_eagerly(opts, return_aux, return_weights):
+            return _attention_eagerly(q, k, v, return_lse=return_lse, return_aux=return_aux,
+                                      return_weights=return_weights, backend=backend,
+                                      **{name: getattr(opts, name) for name in opts.names()})
+        out, lse, mx = compiled.attention(q, k, v, opts, wanted, backend)
+        return _results(None, out, lse, mx, return_lse, return_aux, False)
     spec = build_spec(q, k, v, opts, outputs=wanted)
     out, lse, mx = _execute(spec, backend)
     return _results(spec, out, lse, mx, return_lse, return_aux, return_weights)
+
+
+#: attention() outside the compiled graph, for what cannot pass through the custom op
+_attention_eagerly = compiled.eagerly(attention)
 
 
 def _results(spec: Optional[AttentionSpec], out: Tensor, lse: Tensor, mx: Tensor,
@@ -262,27 +270,11 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                               dout.reshape(*canon, spec.dv))
     dbias = None
     if bias is not None and g.dbias is not None:
-        dbias = _unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)
+        dbias = unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)
     dsinks = g.dsinks.to(sinks.dtype) if (sinks is not None and g.dsinks is not None) else None
-    return Grads(dq=_unbroadcast_input(g.dq, spec, q).to(q.dtype),
-                 dk=_unbroadcast_input(g.dk, spec, k).to(k.dtype),
-                 dv=_unbroadcast_input(g.dv, spec, v).to(v.dtype), dbias=dbias, dsinks=dsinks)
-
-
-def _unbroadcast_input(g: Tensor, spec: AttentionSpec, x: Tensor) -> Tensor:
-    if spec.squeeze_heads:
-        return g.reshape(x.shape)
-    g = g.reshape(*spec.batch_shape, *g.shape[1:])
-    return g.sum_to_size(x.shape)
-
-
-def _unbroadcast(g: Tensor, spec: AttentionSpec, shape: torch.Size) -> Tensor:
-    """Canonical 4-D mask-like gradient (n|1, ...) back to the user's bias shape."""
-    lead = spec.batch_shape if g.shape[0] != 1 else (1,) * len(spec.batch_shape)
-    g = g.reshape(*lead, *g.shape[1:])
-    while g.dim() > len(shape):
-        g = g.sum(0)
-    return g.sum_to_size(shape)
+    return Grads(dq=unbroadcast_input(g.dq, spec, q).to(q.dtype),
+                 dk=unbroadcast_input(g.dk, spec, k).to(k.dtype),
+                 dv=unbroadcast_input(g.dv, spec, v).to(v.dtype), dbias=dbias, dsinks=dsinks)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,

@@ -140,3 +140,20 @@ def _empty(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
     lse = torch.full((spec.n, spec.hq, spec.lq), float("-inf"), dtype=spec.compute_dtype,
                      device=spec.q.device)
     return out, lse, lse.clone()
+
+
+def unbroadcast_input(g: Tensor, spec: AttentionSpec, x: Tensor) -> Tensor:
+    """A canonical q/k/v gradient back to the input's (broadcast) shape."""
+    if spec.squeeze_heads:
+        return g.reshape(x.shape)
+    g = g.reshape(*spec.batch_shape, *g.shape[1:])
+    return g.sum_to_size(x.shape)
+
+
+def unbroadcast(g: Tensor, spec: AttentionSpec, shape: torch.Size) -> Tensor:
+    """Canonical 4-D mask-like gradient (n|1, ...) back to the user's bias shape."""
+    lead = spec.batch_shape if g.shape[0] != 1 else (1,) * len(spec.batch_shape)
+    g = g.reshape(*lead, *g.shape[1:])
+    while g.dim() > len(shape):
+        g = g.sum(0)
+    return g.sum_to_size(shape)

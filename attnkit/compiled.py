@@ -35,13 +35,21 @@ def _is_builtin(mod: Any) -> bool:
     return getattr(mod, "recipe", None) is not None
 
 
-@_disable("attnkit: a score_mod that is not an attnkit builtin (attnkit.score_mods), "
-          "return_weights or AuxRequest(dropout_mask=True) runs eagerly, outside the compiled "
-          "graph: a Python callable or a dense (Lq x Lk) result cannot pass through a custom op")
-def _eager_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
-    from .api import attention as eager
+EAGER_REASON = ("attnkit: a score_mod that is not an attnkit builtin (attnkit.score_mods), "
+                "return_weights or AuxRequest(dropout_mask=True) runs eagerly, outside the "
+                "compiled graph: a Python callable or a dense (Lq x Lk) result cannot pass "
+                "through a custom op")
 
-    return eager(q, k, v, **kwargs)
+
+def eagerly(fn: Callable) -> Callable:
+    """``fn`` run outside the compiled graph (one graph break with :data:`EAGER_REASON`)."""
+    return _disable(EAGER_REASON)(fn)
+
+
+def runs_eagerly(opts: Any, return_aux: Any, return_weights: bool) -> bool:
+    """Whether an attention call needs what cannot pass through the custom op."""
+    return bool(return_weights or (return_aux is not None and return_aux.dropout_mask)
+                or (opts.score_mod is not None and not _is_builtin(opts.score_mod)))
 
 
 def _index_grid(q: Tensor, k: Tensor) -> Tuple[Tuple[int, ...], Tensor, Tensor, Tensor, Tensor]:
@@ -96,24 +104,13 @@ def _mask_for_op(mask: Any, q: Tensor, k: Tensor) -> Any:
     return mask if _is_builtin(mask) else dense_mask(mask, q, k)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, return_lse: bool,
-              return_aux: Any, return_weights: bool, backend: str) -> Any:
-    """:func:`attnkit.attention` under torch.compile."""
-    from .api import AuxOutput
-
-    eager = (return_weights or (return_aux is not None and return_aux.dropout_mask)
-             or (opts.score_mod is not None and not _is_builtin(opts.score_mod)))
-    if eager:
-        kwargs = {name: getattr(opts, name) for name in opts.names()}
-        return _eager_attention(q, k, v, return_lse=return_lse, return_aux=return_aux,
-                                return_weights=return_weights, backend=backend, **kwargs)
+def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, backend: str
+              ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`attnkit.attention`'s ``(out, lse, max_scores)`` under torch.compile (a call
+    :func:`runs_eagerly` does not send outside the graph)."""
     opts = opts.merged(mask=_mask_for_op(opts.mask, q, k))
     p = ops.pack("attention", q, k, v, opts, backend=backend, outputs=sorted(wanted))
-    out, lse, mx = ops.call(p, q, k, v)
-    if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None,
-                              max_scores=mx if return_aux.max_scores else None)
-    return (out, lse) if return_lse else out
+    return ops.call(p, q, k, v)
 
 
 def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens_kv: Tensor,
