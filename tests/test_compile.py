@@ -184,6 +184,7 @@ BLOCK_CASES = {
     "mask_lambda": dict(mask=lambda b, h, i, j: (i >= j) & ((i + j) % 3 != 1)),
     "relative_bias": dict(score_mod=score_mods.relative_bias(
         torch.nn.Parameter(torch.randn(2 * L - 1) * 0.1))),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=3),
     "varlen": dict(attend=_varlen_attend),
     "flex": dict(attend=_flex_attend),
     "sdpa": dict(attend=_sdpa_attend),
