@@ -284,7 +284,8 @@ def _grads(spec: Any, g: Any, q: Tensor, k: Tensor, v: Tensor, grad_tensors: Seq
 def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Tensor],
                           tensors: List[Optional[Tensor]], config: str, out: Tensor,
                           lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> List[Tensor]:
-    """The backward: ``[dq, dk, dv, *d(grad_tensors)]`` (empty where not differentiated)."""
+    """The backward: ``[dq, dk, dv, *d(grad_tensors)]``, contiguous in the inputs' shapes
+    (empty where not differentiated)."""
     from . import backends
 
     cfg = json.loads(config)
@@ -295,7 +296,9 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Te
                           lse.reshape(canon), dout.reshape(*canon, spec.dv),
                           None if dlse is None else dlse.reshape(canon))
     res = _grads(spec, g, q, k, v, grad_tensors, marked, cfg)
-    # outputs of a custom op may not alias each other or an input
+    # contiguous, as the fake kernel says; outputs of a custom op may not alias each other or
+    # an input
+    res = [x.contiguous() for x in res]
     return [x.clone() if x._base is not None or any(x is y for y in (q, k, v)) else x
             for x in res]
 
@@ -303,8 +306,8 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Te
 @attention_backward_op.register_fake
 def _attention_backward_fake(q, k, v, grad_tensors, tensors, config, out, lse, dout, dlse):
     wants = set(json.loads(config).get("grads", ()))
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + [
-        torch.empty_like(t) if i in wants else q.new_empty(0)
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)] + [
+        t.new_empty(t.shape) if i in wants else q.new_empty(0)
         for i, t in enumerate(grad_tensors)]
 
 

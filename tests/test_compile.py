@@ -459,3 +459,21 @@ def test_the_compile_suite_peers_give_the_eager_results():
         torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-5)
         for a, b in zip(grads, want[1]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_inductor_backward_with_inputs_in_another_stride_order():
+    """q, k, v as (B, L, H, D) tensors viewed (B, H, L, D): the gradients the backward op
+    returns have the layout its fake kernel says (inductor checks)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 32, h, 8, generator=g).transpose(1, 2).requires_grad_(True)
+               for h in (4, 2, 2))
+
+    def fn(q, k, v):
+        return attnkit.attention(q, k, v, causal=True)
+
+    out = torch.compile(fn, fullgraph=True)(q, k, v)
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want = torch.autograd.grad(fn(q, k, v).square().sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
