@@ -6,6 +6,8 @@ it is tested against. Masks and score mods live in :mod:`attnkit.masks` and
 :mod:`attnkit.score_mods`.
 """
 
+__version__ = "0.1.0"  # first: the ops' revision (attnkit.ops.OP_REVISION) starts with it
+
 from . import distributed, masks, numpy, score_mods
 from .api import (
     AuxOutput,
@@ -31,8 +33,6 @@ from .reference import attention_reference
 from .varlen import varlen_attention
 
 _torch_varlen.register()  # "attnkit" in torch's flash-attention registry (not activated)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AuxOutput",

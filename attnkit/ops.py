@@ -21,7 +21,9 @@ the README's torch.compile section).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +37,28 @@ SLOTS = ("mask", "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "dropou
 #: Options whose tensors may get a gradient; they travel with the mods' tensors in the ops'
 #: ``grad_tensors`` list (the config names which are present).
 GRAD_OPTIONS = ("bias", "sinks")
+
+
+def revision(source: str) -> str:
+    """The ops' revision for their source text: attnkit's version and a hash of the source."""
+    from . import __version__
+
+    return __version__ + "+" + hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def _own_source() -> str:
+    try:
+        with open(os.path.abspath(__file__), encoding="utf-8") as f:
+            return f.read()
+    except OSError:  # no source shipped: the version alone
+        return ""
+
+
+#: Carried in every op call's config. torch's on-disk graph caches key a compiled graph by its
+#: code and constants, not by a custom op's fake kernel, so a graph compiled against another
+#: revision of these ops (whose fake kernels may have said other shapes or strides) must not
+#: match: the revision is one of the graph's constants.
+OP_REVISION = revision(_own_source())
 
 
 # ---- packing a call (runs in the traced front door: no data is read) ------------------------
@@ -79,9 +103,9 @@ def pack(door: str, q: Tensor, k: Tensor, v: Tensor, options: Any, *, backend: s
     segments, pages, cu_seqlens ...) as op arguments. Shape-only work: safe to trace."""
     p = Packed()
     cfg = p.config
-    cfg.update(door=door, backend=backend, outputs=list(outputs), scale=options.scale,
-               causal=options.causal, diagonal=options.diagonal, softcap=options.softcap,
-               dropout_p=options.dropout_p, offset=options.offset)
+    cfg.update(rev=OP_REVISION, door=door, backend=backend, outputs=list(outputs),
+               scale=options.scale, causal=options.causal, diagonal=options.diagonal,
+               softcap=options.softcap, dropout_p=options.dropout_p, offset=options.offset)
     cfg["window"] = None if options.window is None else list(options.window)
     for name in GRAD_OPTIONS:
         x = getattr(options, name)

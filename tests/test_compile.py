@@ -477,3 +477,24 @@ def test_inductor_backward_with_inputs_in_another_stride_order():
     want = torch.autograd.grad(fn(q, k, v).square().sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_graphs_are_keyed_by_the_ops_revision(monkeypatch):
+    """torch's on-disk caches key a graph by its code, not by a custom op's fake kernel: the
+    config every op call carries names the ops' revision (a hash of their source), so a graph
+    cached by another attnkit (other fake kernels) is never served to this one."""
+    torch._dynamo.reset()
+    q, k, v = _qkv(grad=False)
+    seen = []
+
+    def spy(q, k, v, grad_tensors, tensors, config):
+        seen.append(config)
+        return attention_op(q, k, v, grad_tensors, tensors, config)
+
+    attention_op = ops.attention_op
+    monkeypatch.setattr(ops, "attention_op", spy)
+    compiled.attention(q, k, v, Options(causal=True), frozenset(), "auto")
+    assert seen and f'"rev":"{ops.OP_REVISION}"' in seen[0]
+    assert ops.OP_REVISION.startswith(attnkit.__version__ + "+")
+    # the revision follows the source of the ops (the fake kernels live there)
+    assert ops.revision("a") != ops.revision("b") and ops.revision("a") == ops.revision("a")
