@@ -316,6 +316,10 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Te
     spec, marked = unpack(q, k, v, grad_tensors, tensors, cfg)
     executor = backends.select(spec, cfg["backend"])
     canon = (spec.n, spec.hq, spec.lq)
+    if dlse is not None and not bool(dlse.any()):
+        # a compiled graph materialises the unused lse output's gradient as zeros; dropped as
+        # the eager node drops it (the fused backward would carry it in an extra head column)
+        dlse = None
     g = executor.backward(spec, executor.make_plan(spec), out.reshape(*canon, spec.dv),
                           lse.reshape(canon), dout.reshape(*canon, spec.dv),
                           None if dlse is None else dlse.reshape(canon))

@@ -498,3 +498,39 @@ def test_compiled_graphs_are_keyed_by_the_ops_revision(monkeypatch):
     assert ops.OP_REVISION.startswith(attnkit.__version__ + "+")
     # the revision follows the source of the ops (the fake kernels live there)
     assert ops.revision("a") != ops.revision("b") and ops.revision("a") == ops.revision("a")
+
+
+def test_compiled_backward_drops_an_all_zero_lse_gradient(monkeypatch):
+    """A compiled graph hands the backward op a materialised zero gradient for the unused lse
+    output; the op drops it as the eager node does (the fused backward would otherwise carry
+    it in an extra head column: d=65 instead of 64, a slower kernel), and keeps a real one."""
+    from attnkit.backends import fused
+
+    seen = []
+    real = fused.backward
+
+    def spy(spec, plan, out, lse, dout, dlse=None):
+        seen.append(dlse is None)
+        return real(spec, plan, out, lse, dout, dlse)
+
+    monkeypatch.setattr(fused, "backward", spy)
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    torch.compile(lambda q, k, v: attnkit.attention(q, k, v, causal=True, backend="fused"),
+                  fullgraph=True)(q, k, v).sum().backward()
+    assert seen == [True]
+
+    def with_lse(q, k, v):
+        out, aux = attnkit.attention(q, k, v, causal=True, backend="fused",
+                                     return_aux=attnkit.AuxRequest(lse=True))
+        return out.sum() + aux.lse.square().sum()
+
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    torch.compile(with_lse, fullgraph=True)(q, k, v).backward()
+    got = [x.grad for x in (q, k, v)]
+    q2, k2, v2 = _qkv()
+    with_lse(q2, k2, v2).backward()
+    assert seen == [True, False, False]  # compiled, then eager: a real lse gradient kept
+    for a, b in zip(got, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
