@@ -20,6 +20,7 @@ from .api import (
 )
 from .block_mask import BlockMask, create_block_mask
 from .flex import flex_attention
+from .fp8 import quantize_fp8
 from .integrations import torch_varlen as _torch_varlen
 from .merge import merge_state, merge_states
 from .paged import (
@@ -58,5 +59,6 @@ __all__ = [
     "merge_state",
     "merge_states",
     "numpy",
+    "quantize_fp8",
     "score_mods",
 ]

@@ -11,6 +11,7 @@ from torch.autograd import forward_ad
 from . import backends, compiled
 from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from .checks import autocast_dtype, autocast_inputs
+from .fp8 import check_positive, finish_output, is_fp8
 from .ops import is_compiling
 from .score_terms import index_grid
 from .spec import AttentionSpec, Options, build_spec
@@ -18,20 +19,27 @@ from .spec import AttentionSpec, Options, build_spec
 
 class AuxRequest(NamedTuple):
     """Which auxiliary outputs to return (FlexAttention's ``AuxRequest``, plus the dropout
-    keep mask)."""
+    keep mask and cuDNN's fp8 amax outputs)."""
 
     lse: bool = False
     max_scores: bool = False
     dropout_mask: bool = False
+    amax_s: bool = False
+    amax_o: bool = False
 
 
 class AuxOutput(NamedTuple):
     """Auxiliary outputs: ``lse`` and ``max_scores`` are ``(*B, Hq, Lq)``; ``dropout_mask``
-    is the bool keep mask ``(*B, Hq, Lq, Lk)`` that was used (dense; for debugging)."""
+    is the bool keep mask ``(*B, Hq, Lq, Lk)`` that was used (dense; for debugging).
+    ``amax_s`` and ``amax_o`` are 0-d float32 (cuDNN's amax outputs, for the next step's fp8
+    scales): the absolute maximum of the softmax weights (before ``p_scale`` quantization and
+    dropout) and of the output before ``out_dtype``/``out_scale`` are applied."""
 
     lse: Optional[Tensor] = None
     max_scores: Optional[Tensor] = None
     dropout_mask: Optional[Tensor] = None
+    amax_s: Optional[Tensor] = None
+    amax_o: Optional[Tensor] = None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
@@ -92,15 +100,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     ``dropout_mask`` (bool, broadcastable to the scores, True =
     keep) gives the keep mask directly, scaled by ``1 / (1 - dropout_p)``.
 
+    fp8 (cuDNN's scaled FP8 attention; see :mod:`attnkit.fp8`): float8_e4m3fn or float8_e5m2
+    q, k, v (all three, one format) stand for ``x8 * descale_x``; ``descale_q``,
+    ``descale_k``, ``descale_v`` are required, each a float / 0-d tensor or per (batch, kv
+    head) ``(*B, Hkv)`` (q also ``(*B, Hq)``), as :func:`attnkit.quantize_fp8` returns them.
+    The inputs are dequantized into ``out_dtype`` (bfloat16 by default, or float32) and every
+    mask and score term above applies. ``out_dtype`` sets the output's dtype (for any
+    inputs): a float dtype, or fp8 with ``out_scale`` (``out8 = fp8(out * out_scale)``).
+    ``p_scale`` rounds the softmax weights to e4m3 as ``fp8(P * p_scale) / p_scale`` before
+    ``P V`` (tiled executor; forward only). fp8 tensors cannot require grad (differentiate
+    the dequantized tensor, or use :func:`attention_backward`); descales may.
+
     Options (keywords; one definition, :class:`attnkit.spec.Options`, shared by every front
     door): ``scale``, ``mask``, ``bias``, ``causal``, ``window``, ``diagonal``, ``score_mod``,
     ``softcap``, ``alibi_slopes`` (``(Hq,)`` or ``(N, Hq)``), ``seqlens_q``, ``seqlens_kv``,
-    ``starts_kv``, ``sinks``, ``dropout_p``, ``seed``, ``offset``, ``dropout_mask``, as
+    ``starts_kv``, ``sinks``, ``dropout_p``, ``seed``, ``offset``, ``dropout_mask``,
+    ``descale_q``, ``descale_k``, ``descale_v``, ``p_scale``, ``out_dtype``, ``out_scale``, as
     described above. An unknown keyword is a ``TypeError`` listing them.
 
     Args:
         return_lse: also return the natural-log log-sum-exp of each row's final scores.
-        return_aux: an :class:`AuxRequest`; returns ``(out, AuxOutput)``.
+        return_aux: an :class:`AuxRequest`; returns ``(out, AuxOutput)`` (``amax_s``: the
+            largest softmax weight, ``amax_o``: max |out| before ``out_dtype``, both 0-d
+            float32; ``amax_s`` needs the row maxima, which the tiled executor reports).
         return_weights: also return the pre-dropout attention weights ``(*B, Hq, Lq, Lk)``
             as a tensor that does not require grad. This is dense (Lq x Lk): for inspection
             and small problems.
@@ -118,8 +140,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     q, k, v, bias, sinks = autocast_inputs(q, k, v, opts.bias, opts.sinks)
     if bias is not opts.bias or sinks is not opts.sinks:
         opts = opts.merged(bias=bias, sinks=sinks)
-    wanted = frozenset({"max_scores"}) if return_aux is not None and return_aux.max_scores else (
-        frozenset())
+    wanted = frozenset({"max_scores"}) if return_aux is not None and (
+        return_aux.max_scores or return_aux.amax_s) else frozenset()
     if is_compiling():
         if compiled.runs_eagerly(opts, return_aux, return_weights):
             return _attention_eagerly(q, k, v, return_lse=return_lse, return_aux=return_aux,
@@ -139,17 +161,36 @@ _attention_eagerly = compiled.eagerly(attention)
 def _results(spec: Optional[AttentionSpec], out: Tensor, lse: Tensor, mx: Tensor,
              return_lse: bool, return_aux: Optional[AuxRequest], return_weights: bool) -> Any:
     """What :func:`attention` returns, from its outputs (``spec`` for the dense extras)."""
-    results: Tuple[Any, ...] = (out,)
+    results: Tuple[Any, ...] = (_finish(spec, out),)
     if return_aux is not None:
         results += (AuxOutput(
             lse=lse if return_aux.lse else None,
             max_scores=mx if return_aux.max_scores else None,
-            dropout_mask=_dense_keep_mask(spec) if return_aux.dropout_mask else None),)
+            dropout_mask=_dense_keep_mask(spec) if return_aux.dropout_mask else None,
+            amax_s=_amax_weights(mx, lse) if return_aux.amax_s else None,
+            amax_o=_amax(out) if return_aux.amax_o else None),)
     elif return_lse:
         results += (lse,)
     if return_weights:
         results += (_dense_weights(spec, lse),)
     return results[0] if len(results) == 1 else results
+
+
+def _finish(spec: Optional[AttentionSpec], out: Tensor) -> Tensor:
+    """``out`` in the spec's ``out_dtype`` (fp8: scaled by ``out_scale``)."""
+    return out if spec is None else finish_output(out, spec.out_dtype, spec.out_scale)
+
+
+def _amax(x: Tensor) -> Tensor:
+    """max |x| as 0-d float32 (0 for an empty tensor)."""
+    x = x.detach()
+    return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+
+
+def _amax_weights(mx: Tensor, lse: Tensor) -> Tensor:
+    """The largest softmax weight, ``max exp(row max - lse)`` over rows that see a key."""
+    w = torch.exp(mx.detach() - lse.detach())
+    return _amax(torch.where(torch.isfinite(lse), w, torch.zeros_like(w)))
 
 
 def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor, Tensor]:
@@ -158,6 +199,8 @@ def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor
     argument binding costs more than a decoding step's kernel)."""
     executor = backends.select(spec, backend)
     if spec.is_empty or _needs_graph(spec):
+        if spec.p_scale is not None and not spec.is_empty:
+            raise NotImplementedError(_P_SCALE_FORWARD_ONLY)
         out, lse, mx = run(spec, executor)
     else:
         res = _forward_only(spec, executor)
@@ -166,6 +209,12 @@ def _execute(spec: AttentionSpec, backend: str = "auto") -> Tuple[Tensor, Tensor
         out = out.reshape(spec.output_shape(spec.dv))
         lse, mx = lse.reshape(spec.lse_shape()), mx.reshape(spec.lse_shape())
     return out, lse, mx
+
+
+_P_SCALE_FORWARD_ONLY = (
+    "p_scale (fp8 softmax weights) is forward only: the rounding of P has no useful gradient "
+    "and attnkit does not guess a straight-through one; call with no input that requires "
+    "grad (torch.no_grad()), or without p_scale")
 
 
 def _forward_only(spec: AttentionSpec, executor: Any) -> Any:
@@ -241,20 +290,30 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
     """Forward only, with statistics (cuDNN style): ``(out, lse)`` without an autograd graph.
 
     Takes the keywords of :func:`attention`. Pair it with :func:`attention_backward`, passing
-    the same inputs, options and the ``out``/``lse`` it returned.
+    the same inputs, options and the ``out``/``lse`` it returned. ``out`` is in ``out_dtype``
+    (fp8 inputs: bfloat16 unless it says otherwise).
     """
     spec = _explicit_spec(q.detach(), k.detach(), v.detach(), options)
     executor = backends.select(spec, backend)
     with torch.no_grad():
         res = executor.forward(spec, executor.make_plan(spec))
-    return (res.out.to(spec.q.dtype).reshape(spec.output_shape(spec.dv)),
-            res.lse.reshape(spec.lse_shape()))
+    out = res.out.to(spec.q.dtype).reshape(spec.output_shape(spec.dv))
+    return _finish(spec, out), res.lse.reshape(spec.lse_shape())
 
 
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                       *, backend: str = "auto", **options: Any) -> Grads:
+                       *, backend: str = "auto", descale_o: Any = None, descale_do: Any = None,
+                       **options: Any) -> Grads:
     """Backward from saved statistics: gradients of ``sum(out * dout)`` for q, k, v, bias and
-    sinks, each in its input's shape. ``out`` and ``lse`` come from :func:`attention_forward`."""
+    sinks, each in its input's shape. ``out`` and ``lse`` come from :func:`attention_forward`.
+
+    fp8 q, k, v (with their descales, as in the forward): the gradients are with respect to
+    the dequantized inputs ``x8 * descale_x``, in their compute dtype (bfloat16, or
+    ``out_dtype`` when that is a float dtype). ``out`` and ``dout`` may be fp8 too, with
+    ``descale_o`` and ``descale_do`` (scalars: the real values are ``out8 * descale_o``; dout
+    by convention in e5m2)."""
+    out = _dequantized("out", out, descale_o)
+    dout = _dequantized("dout", dout, descale_do)
     bias, sinks = options.get("bias"), options.get("sinks")
     opts = dict(options)
     if bias is not None:
@@ -263,6 +322,8 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
         opts["sinks"] = sinks.detach().requires_grad_(True)
     spec = _explicit_spec(q.detach(), k.detach(), v.detach(), opts)
     executor = backends.select(spec, backend)
+    if is_fp8(q):  # out and dout in the dtype the executors computed the inputs in
+        out, dout = out.to(spec.q.dtype), dout.to(spec.q.dtype)
     canon = (spec.n, spec.hq, spec.lq)
     with torch.no_grad():
         g = executor.backward(spec, executor.make_plan(spec),
@@ -272,9 +333,27 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     if bias is not None and g.dbias is not None:
         dbias = unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)
     dsinks = g.dsinks.to(sinks.dtype) if (sinks is not None and g.dsinks is not None) else None
-    return Grads(dq=unbroadcast_input(g.dq, spec, q).to(q.dtype),
-                 dk=unbroadcast_input(g.dk, spec, k).to(k.dtype),
-                 dv=unbroadcast_input(g.dv, spec, v).to(v.dtype), dbias=dbias, dsinks=dsinks)
+    def grad_dtype(x: Tensor) -> torch.dtype:
+        return spec.q.dtype if is_fp8(x) else x.dtype
+
+    return Grads(dq=unbroadcast_input(g.dq, spec, q).to(grad_dtype(q)),
+                 dk=unbroadcast_input(g.dk, spec, k).to(grad_dtype(k)),
+                 dv=unbroadcast_input(g.dv, spec, v).to(grad_dtype(v)), dbias=dbias, dsinks=dsinks)
+
+
+def _dequantized(name: str, x: Tensor, descale: Any) -> Tensor:
+    """``out``/``dout`` of :func:`attention_backward` in float32 when fp8 (times its scalar
+    descale), else as given; a descale for a tensor that is not fp8 is an error."""
+    arg = "descale_o" if name == "out" else "descale_do"
+    if not is_fp8(x):
+        if descale is not None:
+            raise ValueError(f"{arg} is for an fp8 {name}; {name} is {x.dtype}: drop {arg}")
+        return x
+    if descale is None:
+        raise ValueError(f"{name} is {x.dtype}: pass {arg} (the real {name} is {name}8 * "
+                         f"{arg}; for out_dtype fp8 outputs that is 1 / out_scale)")
+    value = check_positive(arg, descale)
+    return x.float() * value
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,

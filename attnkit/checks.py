@@ -202,8 +202,8 @@ def autocast_inputs(*xs: Any) -> Tuple[Any, ...]:
     dtype = autocast_dtype(q.device.type) if isinstance(q, Tensor) else None
     if dtype is None:
         return xs
-    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point()
-                 and x.dtype != torch.float64 else x for x in xs)
+    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.dtype in FLOAT_DTYPES
+                 and x.dtype != torch.float64 else x for x in xs)  # (fp8: by its descale)
 
 
 def causal_bias_class() -> Optional[type]:

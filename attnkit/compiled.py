@@ -48,7 +48,10 @@ def eagerly(fn: Callable) -> Callable:
 
 def runs_eagerly(opts: Any, return_aux: Any, return_weights: bool) -> bool:
     """Whether an attention call needs what cannot pass through the custom op."""
-    return bool(return_weights or (return_aux is not None and return_aux.dropout_mask)
+    fp8 = any(getattr(opts, name) is not None for name in (
+        "descale_q", "descale_k", "descale_v", "p_scale", "out_dtype", "out_scale"))
+    return bool(return_weights or fp8 or (return_aux is not None and (
+        return_aux.dropout_mask or return_aux.amax_s or return_aux.amax_o))
                 or (opts.score_mod is not None and not _is_builtin(opts.score_mod)))
 
 

@@ -141,12 +141,15 @@ def attention_reference(
     starts_kv: Any = None, sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
     seed: Optional[int] = None, offset: int = 0, dropout_mask: Optional[Tensor] = None,
     dropout_keep: Optional[Tensor] = None, return_lse: bool = False,
-    return_weights: bool = False,
+    return_weights: bool = False, p_scale: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, ...]]:
     """Dense float64 attention with the semantics of :func:`attnkit.attention` (same keywords).
 
     Dropout needs its keep mask: ``dropout_keep`` (or ``dropout_mask``, bool, True = keep), or
-    ``seed``/``offset`` to replay attnkit's Philox mask. Returns ``out`` (float64), plus
+    ``seed``/``offset`` to replay attnkit's Philox mask. ``p_scale`` rounds the weights to
+    float8_e4m3fn as ``fp8(p * p_scale) / p_scale`` (saturating at 448) before dropout and
+    ``P V``. The inputs are real numbers: pass fp8 ones dequantized (``x8.double() *
+    descale``). Returns ``out`` (float64), plus
     ``lse`` with ``return_lse`` and the pre-dropout weights with ``return_weights``.
     """
     c = _Call(q, k, v, seqlens_q, seqlens_kv, diagonal)
@@ -159,6 +162,9 @@ def attention_reference(
     lse = torch.logsumexp(s_all, dim=-1)
     p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
     weights = p
+    if p_scale is not None:
+        top = torch.finfo(torch.float8_e4m3fn).max
+        p = (p * p_scale).clamp(max=top).to(torch.float8_e4m3fn).double() / p_scale
     keep = dropout_keep if dropout_keep is not None else dropout_mask
     if keep is None and dropout_p > 0.0:
         if seed is None:

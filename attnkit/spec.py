@@ -59,6 +59,7 @@ from .checks import (
     clamp_bound,
     compute_dtype_of,
 )
+from .fp8 import check_out_dtype, check_positive, dequantize_inputs
 from .mods import check_score_mod_gradients, find_captured_tensors, info_of
 
 Diagonal = Literal["top_left", "bottom_right"]
@@ -89,6 +90,7 @@ FEATURES = frozenset({
     "dropout_mask",        # a given keep mask
     "max_scores",          # the row maxima are requested
     "paged_kv",            # keys and values are read from pages through a block table
+    "p_scale",             # the softmax weights are quantized to fp8 before P V (cuDNN scale_s)
 })
 
 
@@ -115,6 +117,12 @@ class Options:
     seed: Optional[int] = None
     offset: int = 0
     dropout_mask: Optional[Tensor] = None
+    descale_q: Any = None
+    descale_k: Any = None
+    descale_v: Any = None
+    p_scale: Optional[float] = None
+    out_dtype: Optional[torch.dtype] = None
+    out_scale: Optional[float] = None
 
     @classmethod
     def names(cls) -> Tuple[str, ...]:
@@ -207,6 +215,11 @@ class AttentionSpec:
     paged: Optional[PagedKV] = None
     #: requested outputs beyond out and lse ("max_scores")
     outputs: FrozenSet[str] = field(default_factory=frozenset)
+    #: quantize the softmax weights to fp8 with this scale before P V (then descale)
+    p_scale: Optional[float] = None
+    #: the dtype the front door returns ``out`` in (None: q's), and the fp8 output's scale
+    out_dtype: Optional[torch.dtype] = None
+    out_scale: Optional[float] = None
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -280,7 +293,8 @@ class AttentionSpec:
                 ("sinks", self.sinks is not None),
                 ("dropout", self.dropout_mask is None and self.dropout_p > 0.0),
                 ("dropout_mask", self.dropout_mask is not None),
-                ("paged_kv", self.paged is not None)):
+                ("paged_kv", self.paged is not None),
+                ("p_scale", self.p_scale is not None)):
             if on:
                 f.add(name)
         return frozenset(f)
@@ -505,6 +519,9 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
                     ("sinks", opts.sinks), ("dropout_mask", opts.dropout_mask)):
         check_plain_tensor(name, x)
+    out_dtype, out_scale = check_out_dtype(opts.out_dtype, opts.out_scale)
+    q, k, v = dequantize_inputs(q, k, v, opts.descale_q, opts.descale_k, opts.descale_v,
+                                out_dtype)
     qc, kc, vc, batch, squeeze = _canonical_qkv(q, k, v)
     n, hq, lq, d = qc.shape
     lk = kc.shape[2]
@@ -512,7 +529,8 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     dev = qc.device
     f: dict = {"q": qc, "k": kc, "v": vc, "batch_shape": batch, "squeeze_heads": squeeze,
                "scale": check_scale(opts.scale, d), "outputs": frozenset(outputs),
-               "paged": paged}
+               "paged": paged, "p_scale": check_positive("p_scale", opts.p_scale),
+               "out_dtype": out_dtype, "out_scale": out_scale}
 
     if diagonal not in ("top_left", "bottom_right"):
         raise ValueError(f"diagonal must be 'top_left' or 'bottom_right'; got {diagonal!r}")

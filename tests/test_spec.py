@@ -48,6 +48,7 @@ CASES = {
     "dropout": ({"dropout_p": 0.1, "seed": 3}, {"dropout"}),
     "dropout_mask": ({"dropout_mask": torch.rand(12, 20) > 0.5, "dropout_p": 0.1},
                      {"dropout_mask"}),
+    "p_scale": ({"p_scale": 256.0}, {"p_scale"}),
 }
 
 
@@ -154,7 +155,8 @@ def test_options_name_every_keyword_once():
     assert set(Options.names()) == {
         "scale", "mask", "bias", "causal", "window", "diagonal", "score_mod", "softcap",
         "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "sinks", "dropout_p", "seed",
-        "offset", "dropout_mask"}
+        "offset", "dropout_mask", "descale_q", "descale_k", "descale_v", "p_scale",
+        "out_dtype", "out_scale"}
     with pytest.raises(TypeError, match="unexpected keyword argument 'casual'.*causal"):
         attnkit.attention(Q, K, K, casual=True)
     q = torch.randn(6, 2, 8)

@@ -49,7 +49,8 @@ CAPS = Capabilities(
          "mask": "the kernel takes analytic masks only", "mask_mod": "the kernel evaluates no "
          "callable", "block_mask": "the kernel takes analytic masks only",
          "bias": "the kernel takes no bias tensor", "dropout": "decoding has no dropout",
-         "max_scores": "the kernel does not report row maxima"},
+         "max_scores": "the kernel does not report row maxima",
+         "p_scale": "the kernel keeps no probability tile to quantize"},
 )
 
 

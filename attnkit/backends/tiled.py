@@ -1,10 +1,14 @@
 """The tiled executor: FlashAttention-2 forward and backward written with torch ops.
 
-It runs every score term, mask term and option of the spec (not paged K/V). The forward walks
-query tiles and, for each, the key tiles that the plan says hold work, keeping an online
-softmax (running max ``m``, sum ``l`` and unnormalised output). It never holds more than one
-score tile per step. The backward recomputes each probability tile from the saved log-sum-exp,
-``P = exp(S - lse)``, and forms ``dS = P * (dP - D)`` with ``D = rowsum(dO * O) - dlse``.
+It runs every score term, mask term and option of the spec (not paged K/V), and alone the
+fp8 softmax weights of ``p_scale``: a second pass over the tiles recomputes ``P = exp(S -
+lse)`` with the final lse, rounds it to fp8 (cuDNN's quantized S) and forms ``P V``.
+
+The forward walks query tiles and, for each, the key tiles that the plan says hold work,
+keeping an online softmax (running max ``m``, sum ``l`` and unnormalised output). It never
+holds more than one score tile per step. The backward recomputes each probability tile from
+the saved log-sum-exp, ``P = exp(S - lse)``, and forms ``dS = P * (dP - D)`` with
+``D = rowsum(dO * O) - dlse``.
 
 Layout inside a tile: queries of the G = Hq / Hkv heads that share a key/value head are stacked,
 ``(N, Hkv, G * bq, D)``, so one matmul per tile serves grouped-query attention without copying
@@ -18,6 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..fp8 import quantize_probabilities
 from ..mods import call_score_mod, from_recipe, info_of
 from ..plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
 from ..score_terms import (
@@ -35,7 +40,8 @@ from .base import Capabilities, ForwardResult, Grads
 
 CAPS = Capabilities(
     name="tiled",
-    features=TERMS | MASK_TERMS | {"sinks", "dropout", "dropout_mask", "max_scores"},
+    features=TERMS | MASK_TERMS | {"sinks", "dropout", "dropout_mask", "max_scores",
+                                   "p_scale"},
     dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
 )
@@ -163,13 +169,51 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
         out[:, :, q0:q1] = o.view(n, hq, q1 - q0, dv)
         lse[:, :, q0:q1] = row_lse.view(n, hq, q1 - q0)
         mx[:, :, q0:q1] = m.view(n, hq, q1 - q0)
+    if spec.p_scale is not None:
+        out = _quantized_p_output(t, lse)
     return ForwardResult(out=out, lse=lse, max_scores=mx)
+
+
+def _quantized_p_output(t: _Tiles, lse: Tensor) -> Tensor:
+    """``out = sum_j fp8(P_ij * p_scale) / p_scale * v_j`` with the normalised weights ``P =
+    exp(S - lse)`` (dropout, if any, applied to the rounded weights)."""
+    spec, plan, cd = t.spec, t.plan, t.cd
+    n, hq, dv = spec.n, spec.hq, spec.dv
+    out = torch.zeros(n, hq, spec.lq, dv, dtype=cd, device=spec.q.device)
+    lse_safe = safe_lse(lse)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        rows = t.g * (q1 - q0)
+        qt = t.q_tile(q0, q1)
+        acc = torch.zeros((n, t.hkv, rows, dv), dtype=cd, device=spec.q.device)
+        for kb in kbs:
+            vis = tile_visibility(spec, plan, qb, kb)
+            if vis is not None and not bool(vis.any()):
+                continue
+            k0, k1 = plan.k_range(kb)
+            s, _, _, _ = t.scores(qt, kb, q0, q1, vis)
+            p = quantize_probabilities(torch.exp(s - lse_safe[:, :, q0:q1, None]),
+                                       spec.p_scale)
+            drop = dropout_tile(spec, q0, q1, k0, k1, cd)
+            if drop is not None:
+                p = p * drop
+            acc += t.mm_out(p.reshape(n, t.hkv, rows, k1 - k0), t.v[:, :, k0:k1])
+        out[:, :, q0:q1] = acc.view(n, hq, q1 - q0, dv)
+    return out
 
 
 def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> Grads:
     """FlashAttention-2 backward: recompute P per tile from ``lse``; gradients in compute
     dtype (cast by the caller)."""
+    if spec.p_scale is not None:
+        raise NotImplementedError(
+            "p_scale (fp8 softmax weights) is forward only: the rounding of P has no useful "
+            "gradient and attnkit does not guess a straight-through one; run the backward "
+            "without p_scale")
     t = _Tiles(spec, plan)
     cd = t.cd
     n, hq, hkv, lq, dv = spec.n, spec.hq, spec.hkv, spec.lq, spec.dv

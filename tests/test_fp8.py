@@ -1,0 +1,345 @@
+"""fp8 attention: quantize_fp8's scale rule, fp8 q/k/v with descales against the float64
+oracle on the dequantized inputs (FlashAttention's rule, with a plain bfloat16 computation of
+the same dequantized inputs as the baseline), p_scale, out_dtype, the amax outputs, gradients
+and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fa_tolerance_ok
+
+import attnkit
+from attnkit import masks, score_mods
+from attnkit.reference import attention_reference
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+B, HQ, HKV, LQ, LK, D = 2, 4, 2, 37, 53, 24
+
+
+def _inputs(seed=0, dtype=E4M3, granularity="head", lq=LQ, lk=LK, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, lq, D, generator=g) * spread
+    k = torch.randn(B, HKV, lk, D, generator=g)
+    v = torch.randn(B, HKV, lk, D, generator=g) * 2
+    return tuple(attnkit.quantize_fp8(x, dtype, granularity) for x in (q, k, v))
+
+
+def _deq(x8, d):
+    """The real input, float64: x8 * descale (per tensor or per (batch, head))."""
+    d = d.double()
+    if d.dim():
+        d = d.repeat_interleave(x8.shape[-3] // d.shape[-1], -1)[..., None, None]
+    return x8.double() * d
+
+
+def _plain(qd, kd, vd, **kw):
+    """The same math done plainly in bfloat16: the oracle's weights rounded to bfloat16, a
+    bfloat16 P V (the error baseline of FlashAttention's rule)."""
+    _, w = attention_reference(qd.bfloat16().double(), kd.bfloat16().double(),
+                               vd.bfloat16().double(), return_weights=True, **kw)
+    g = qd.shape[-3] // kd.shape[-3]
+    return w.bfloat16() @ vd.bfloat16().repeat_interleave(g, -3)
+
+
+def _check(out, qd, kd, vd, mult=2.0, **kw):
+    ref = attention_reference(qd, kd, vd, **kw)
+    ok, err, base = fa_tolerance_ok(out, ref, _plain(qd, kd, vd, **kw), mult)
+    assert ok, (err, base)
+    return ref
+
+
+# ---- quantize_fp8 -------------------------------------------------------------------------
+
+
+def test_quantize_scale_rule_by_hand():
+    """cuDNN's suggested scale: max / amax rounded down to a power of two."""
+    x = torch.tensor([[0.5, -3.0], [1.0, 2.0]])
+    x8, d = attnkit.quantize_fp8(x)  # 448 / 3 = 149.3 -> 128
+    assert x8.dtype == E4M3 and d.dtype == torch.float32 and d.shape == ()
+    assert d.item() == 1 / 128
+    assert x8.float().tolist() == [[64.0, -384.0], [128.0, 256.0]]
+    _, d = attnkit.quantize_fp8(x, E5M2)  # 57344 / 3 = 19114.7 -> 16384
+    assert d.item() == 1 / 16384
+    _, d = attnkit.quantize_fp8(torch.full((2, 2), 448.0))  # exactly the max: scale 1
+    assert d.item() == 1.0
+    _, d = attnkit.quantize_fp8(torch.full((2, 2), 449.0))  # just above: 0.5
+    assert d.item() == 2.0
+
+
+def test_quantize_amax_zero_and_tiny():
+    x8, d = attnkit.quantize_fp8(torch.zeros(3, 4))
+    assert d.item() == 1.0 and not x8.float().any()
+    x8, d = attnkit.quantize_fp8(torch.full((2, 2), 1e-30))
+    assert torch.isfinite(d) and d > 0
+    assert torch.allclose(x8.float() * d, torch.full((2, 2), 1e-30), rtol=0.07)
+
+
+def test_quantize_per_head_layout_and_round_trip():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 17, 8, generator=g) * torch.tensor([1e-3, 1.0, 50.0]).view(1, 3, 1, 1)
+    x8, d = attnkit.quantize_fp8(x, granularity="head")
+    assert d.shape == (2, 3)  # FlashAttention-3: (batch, heads)
+    amax = x.abs().amax(dim=(-2, -1))
+    scale = 1 / d
+    assert torch.equal(scale, torch.exp2(torch.floor(torch.log2(448 / amax))))
+    back = x8.float() * d[..., None, None]
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value (subnormals: 2^-10)
+    bound = torch.maximum(x.abs() * 2 ** -4, 2 ** -10 * d[..., None, None])
+    assert bool(((back - x).abs() <= bound).all())
+    # per head is finer than per tensor on heads of very different size
+    x8t, dt = attnkit.quantize_fp8(x)
+    err_t = (x8t.float() * dt - x)[:, 0].abs().max()
+    assert (back - x)[:, 0].abs().max() < err_t / 3
+
+
+def test_quantize_refuses_bad_input():
+    with pytest.raises(ValueError, match="inf or NaN"):
+        attnkit.quantize_fp8(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(TypeError, match="dtype must be torch.float8"):
+        attnkit.quantize_fp8(torch.ones(2, 2), torch.bfloat16)
+    with pytest.raises(ValueError, match="granularity='head' needs"):
+        attnkit.quantize_fp8(torch.ones(2, 2), granularity="head")
+    with pytest.raises(ValueError, match="granularity must be"):
+        attnkit.quantize_fp8(torch.ones(2, 2), granularity="row")
+    with pytest.raises(TypeError, match="float tensor"):
+        attnkit.quantize_fp8(torch.ones(2, 2, dtype=torch.int32))
+
+
+# ---- attention on fp8 inputs ---------------------------------------------------------------
+
+CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "bottom_right_window": {"window": (9, 2), "diagonal": "bottom_right"},
+    "padding": {"seqlens_q": [37, 20], "seqlens_kv": [40, 53], "causal": True},
+    "documents": {"mask": masks.document(torch.arange(LQ) // 11, torch.arange(LK) // 16)},
+    "alibi": {"alibi_slopes": score_mods.alibi_slopes(HQ), "causal": True},
+    "softcap": {"softcap": 4.0},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_fp8_matches_the_dequantized_oracle(name, granularity):
+    kw = CASES[name]
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(granularity=granularity)
+    out = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, HQ, LQ, D)
+    _check(out, _deq(q8, dq), _deq(k8, dk), _deq(v8, dv), **kw)
+
+
+@pytest.mark.parametrize("backend", ["fused", "tiled"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_fp8_each_executor_and_format(backend, fmt):
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=2, dtype=fmt)
+    out = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, causal=True,
+                            backend=backend)
+    _check(out, _deq(q8, dq), _deq(k8, dk), _deq(v8, dv), causal=True)
+
+
+def test_fp8_descale_layouts_are_the_same_call():
+    """A python float, a 0-d tensor, (B, Hkv) for q (FlashAttention-3: one per query group)
+    and (B, Hq): each means x8 * descale."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=3, granularity="tensor")
+    base = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv)
+    same = attnkit.attention(q8, k8, v8, descale_q=dq.item(), descale_k=dk.expand(B, HKV),
+                             descale_v=dv.reshape(1))
+    assert torch.equal(base, same)
+    per_group = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    out = attnkit.attention(q8, k8, v8, descale_q=per_group, descale_k=dk, descale_v=dv)
+    qd = q8.double() * per_group.double().repeat_interleave(2, -1)[..., None, None]
+    _check(out, qd, _deq(k8, dk), _deq(v8, dv))
+
+
+def test_fp8_out_dtype_float32_is_more_accurate():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=4)
+    out = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv,
+                            out_dtype=torch.float32, causal=True)
+    assert out.dtype == torch.float32
+    ref = attention_reference(_deq(q8, dq), _deq(k8, dk), _deq(v8, dv), causal=True)
+    assert (out.double() - ref).abs().max() < 1e-5  # no bfloat16 rounding anywhere
+
+
+def test_fp8_output_with_out_scale_and_amax():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=5)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
+    out, aux = attnkit.attention(q8, k8, v8, **kw, return_aux=attnkit.AuxRequest(
+        amax_s=True, amax_o=True))
+    o8, aux8 = attnkit.attention(q8, k8, v8, **kw, out_dtype=E4M3, out_scale=64.0,
+                                 return_aux=attnkit.AuxRequest(amax_s=True, amax_o=True))
+    assert o8.dtype == E4M3
+    assert torch.equal(o8, (out.float() * 64).clamp(-448, 448).to(E4M3))
+    assert torch.equal(aux8.amax_o, out.abs().amax().float())  # before out_scale
+    ref, w = attention_reference(_deq(q8, dq), _deq(k8, dk), _deq(v8, dv), causal=True,
+                                 return_weights=True)
+    assert aux.amax_s.dtype == torch.float32 and aux.amax_s.shape == ()
+    assert abs(aux.amax_s.item() - w.max().item()) < 1e-5
+    assert abs(aux.amax_o.item() - ref.abs().max().item()) < 2e-2  # one bfloat16 rounding
+
+
+def test_amax_s_on_rows_that_see_no_key_and_small_weights():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=6, spread=0.3)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, seqlens_q=[10, 37], seqlens_kv=[0, 53])
+    _, aux = attnkit.attention(q8, k8, v8, **kw, return_aux=attnkit.AuxRequest(amax_s=True))
+    _, w = attention_reference(_deq(q8, dq), _deq(k8, dk), _deq(v8, dv), return_weights=True,
+                               seqlens_q=[10, 37], seqlens_kv=[0, 53])
+    assert torch.isfinite(aux.amax_s) and abs(aux.amax_s.item() - w.max().item()) < 1e-5
+    assert aux.amax_s.item() < 0.5  # (not the 1 of a row with one key)
+
+
+@pytest.mark.parametrize("kw", [{"causal": True}, {"window": (5, 5), "softcap": 3.0},
+                                {"dropout_p": 0.2, "seed": 7}])
+def test_p_scale_quantizes_the_weights(kw, small_tiles):
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=7)
+    qd, kd, vd = _deq(q8, dq), _deq(k8, dk), _deq(v8, dv)
+    out = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, p_scale=16.0,
+                            out_dtype=torch.float32, **kw)
+    ref = attention_reference(qd, kd, vd, p_scale=16.0, **kw)
+    assert (out.double() - ref).abs().max() < 1e-4  # the same rounded P, float32 elsewhere
+    unrounded = attention_reference(qd, kd, vd, **kw)
+    assert (out.double() - unrounded).abs().max() > 1e-2  # (the rounding shows)
+
+
+def test_p_scale_runs_on_tiled_only_and_is_forward_only():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=8)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, p_scale=256.0)
+    with pytest.raises(NotImplementedError, match="fused does not run p_scale"):
+        attnkit.attention(q8, k8, v8, backend="fused", **kw)
+    q = _deq(q8, dq).float().requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="p_scale .* is forward only"):
+        attnkit.attention(q, _deq(k8, dk).float(), _deq(v8, dv).float(), p_scale=256.0)
+    out, lse = attnkit.attention_forward(q8, k8, v8, **kw)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, torch.ones_like(out), **kw)
+
+
+def test_fp8_backward_through_attention_backward():
+    """Gradients with respect to the dequantized inputs, in bfloat16, for an e5m2 dout (the
+    usual gradient format) with its descale."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=9)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
+    out, lse = attnkit.attention_forward(q8, k8, v8, **kw)
+    g = torch.Generator().manual_seed(10)
+    dout8, ddo = attnkit.quantize_fp8(torch.randn(B, HQ, LQ, D, generator=g), E5M2)
+    grads = attnkit.attention_backward(q8, k8, v8, out, lse, dout8, **kw, descale_do=ddo)
+    assert grads.dq.dtype == grads.dk.dtype == grads.dv.dtype == torch.bfloat16
+    real = [x.requires_grad_(True) for x in (_deq(q8, dq), _deq(k8, dk), _deq(v8, dv))]
+    ref = attention_reference(*real, causal=True)
+    ref_grads = torch.autograd.grad(ref, real, _deq(dout8, ddo))
+    plain = [x.bfloat16().detach().requires_grad_(True) for x in real]
+    from conftest import naive_attention
+
+    plain_grads = torch.autograd.grad(naive_attention(*plain, causal=True), plain,
+                                      _deq(dout8, ddo).bfloat16())
+    for got, want, base in zip(grads[:3], ref_grads, plain_grads):
+        ok, err, b = fa_tolerance_ok(got, want, base, mult=3.0)
+        assert ok, (err, b)
+
+
+def test_fp8_out_in_attention_backward_is_its_dequantized_value():
+    """An fp8 output (out_dtype with out_scale) goes back in with descale_o = 1 / out_scale:
+    the same gradients as its dequantized bfloat16 value."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=14)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    out8, lse = attnkit.attention_forward(q8, k8, v8, **kw, out_dtype=E4M3, out_scale=32.0)
+    assert out8.dtype == E4M3
+    dout = torch.randn(B, HQ, LQ, D, generator=torch.Generator().manual_seed(15))
+    g8 = attnkit.attention_backward(q8, k8, v8, out8, lse, dout, **kw, descale_o=1 / 32)
+    g = attnkit.attention_backward(q8, k8, v8, (out8.float() / 32).bfloat16(), lse, dout, **kw)
+    for a, b in zip(g8[:3], g[:3]):
+        assert torch.equal(a, b)
+
+
+def test_descales_get_gradients_and_fp8_tensors_cannot():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=11, granularity="tensor")
+    d = dq.clone().requires_grad_(True)
+    out = attnkit.attention(q8, k8, v8, descale_q=d, descale_k=dk, descale_v=dv,
+                            out_dtype=torch.float32)
+    (out ** 2).sum().backward()
+    dd = d.detach().double().requires_grad_(True)
+    ref = attention_reference(q8.double() * dd, _deq(k8, dk), _deq(v8, dv))
+    (ref ** 2).sum().backward()
+    assert abs(d.grad.item() - dd.grad.item()) <= 1e-4 * abs(dd.grad.item()) + 1e-6
+    q8.requires_grad_(True)
+    with pytest.raises(ValueError, match="q is float8_e4m3fn and requires grad.*dequantized"):
+        attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv)
+    with torch.no_grad():  # nothing to differentiate: fine
+        attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv)
+
+
+def test_fp8_reaches_the_other_front_doors():
+    """varlen goes through the same spec: fp8 works there too."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=12, granularity="tensor")
+    q, k, v = q8[0].transpose(0, 1)[:, :2], k8[0].transpose(0, 1), v8[0].transpose(0, 1)
+    cu_q, cu_k = torch.tensor([0, 15, 37]), torch.tensor([0, 20, 53])
+    out = attnkit.varlen_attention(q, k, v, cu_q, cu_k, causal=True, descale_q=dq,
+                                   descale_k=dk, descale_v=dv)
+    want = attnkit.varlen_attention(*(x.double() * d.double() for x, d in ((q, dq), (k, dk),
+                                                                          (v, dv))),
+                                    cu_q, cu_k, causal=True)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - want).abs().max() < 2e-2
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def _fp8(seed=13, fmt=E4M3):
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=seed, dtype=fmt, granularity="tensor")
+    return q8, k8, v8, dict(descale_q=dq, descale_k=dk, descale_v=dv)
+
+
+def test_missing_descales_are_named():
+    q8, k8, v8, kw = _fp8()
+    del kw["descale_k"], kw["descale_v"]
+    with pytest.raises(ValueError, match="missing descale_k, descale_v"):
+        attnkit.attention(q8, k8, v8, **kw)
+
+
+def test_fp8_mixed_with_bfloat16():
+    q8, k8, v8, kw = _fp8()
+    with pytest.raises(TypeError, match="q, k are fp8 but v bfloat16"):
+        attnkit.attention(q8, k8, v8.to(torch.bfloat16), **kw)
+
+
+def test_e4m3_with_e5m2_is_refused():
+    q8, k8, v8, kw = _fp8()
+    with pytest.raises(TypeError, match="one fp8 format; got q float8_e4m3fn, k float8_e5m2"):
+        attnkit.attention(q8, k8.float().to(E5M2), v8, **kw)
+
+
+def test_descale_shapes_and_values():
+    q8, k8, v8, kw = _fp8()
+    with pytest.raises(ValueError, match=r"descale_k has shape \(2, 4\); expected \(\) or "
+                                         r"\(2, 2\) \(batch, kv heads\)"):
+        attnkit.attention(q8, k8, v8, **dict(kw, descale_k=torch.ones(2, 4)))
+    with pytest.raises(ValueError, match=r"descale_q has shape \(3,\)"):
+        attnkit.attention(q8, k8, v8, **dict(kw, descale_q=torch.ones(3)))
+    with pytest.raises(ValueError, match="descale_v holds inf or NaN"):
+        attnkit.attention(q8, k8, v8, **dict(kw, descale_v=float("nan")))
+    with pytest.raises(TypeError, match="descale_q must be a float"):
+        attnkit.attention(q8, k8, v8, **dict(kw, descale_q="1"))
+
+
+def test_descale_for_inputs_that_are_not_fp8():
+    q = torch.randn(2, 8, 16)
+    with pytest.raises(ValueError, match="descale_q is for fp8 inputs.*q is float32"):
+        attnkit.attention(q, q, q, descale_q=1.0)
+
+
+def test_out_dtype_and_scale_errors():
+    q8, k8, v8, kw = _fp8()
+    with pytest.raises(ValueError, match="needs out_scale"):
+        attnkit.attention(q8, k8, v8, **kw, out_dtype=E4M3)
+    with pytest.raises(ValueError, match="out_scale is for an fp8 out_dtype"):
+        attnkit.attention(q8, k8, v8, **kw, out_scale=2.0)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        attnkit.attention(q8, k8, v8, **kw, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="p_scale must be a finite float > 0"):
+        attnkit.attention(q8, k8, v8, **kw, p_scale=0.0)
+    with pytest.raises(ValueError, match="dout is torch.float8_e5m2: pass descale_do"):
+        attnkit.attention_backward(q8, k8, v8, torch.zeros(B, HQ, LQ, D),
+                                   torch.zeros(B, HQ, LQ), torch.zeros(B, HQ, LQ, D).to(E5M2),
+                                   **kw)
