@@ -227,13 +227,16 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
     return build_spec(q, k, v, opts, **extra), grad_tensors
 
 
-def stand_ins(k_pages: Tensor, v_pages: Tensor, block_table: Tensor) -> Tuple[Tensor, Tensor]:
+def stand_ins(k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+              dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
     """Zero-stride K/V of the gathered shape (B, Hkv, W * page, D) over paged K/V (so a paged
-    call is validated as a dense one; nothing is allocated)."""
+    call is validated as a dense one; nothing is allocated), in the pages' dtype or ``dtype``
+    (fp8 pages: the dtype they are computed in)."""
     bsz, width = block_table.shape
     _, page, hkv, d = k_pages.shape
-    return (k_pages.new_zeros(()).expand(bsz, hkv, width * page, d),
-            v_pages.new_zeros(()).expand(bsz, hkv, width * page, v_pages.shape[3]))
+    dtype = k_pages.dtype if dtype is None else dtype
+    return (k_pages.new_zeros((), dtype=dtype).expand(bsz, hkv, width * page, d),
+            v_pages.new_zeros((), dtype=dtype).expand(bsz, hkv, width * page, v_pages.shape[3]))
 
 
 # ---- the ops ----------------------------------------------------------------------------------

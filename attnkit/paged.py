@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from .checks import check_int
+from .fp8 import FP8_DTYPES, cast_fp8, check_positive, suggested_scale
 from .ops import is_compiling, stand_ins
-from .pages import _check_pages, _index_tensor, gather_kv
+from .pages import _check_pages, _index_tensor, check_page_descales, gather_kv
 from .spec import Options, PagedKV, build_spec
 
 __all__ = ["PagedKVCache", "gather_kv", "OutOfPagesError", "UnknownSequenceError"]
@@ -52,13 +53,27 @@ class PagedKVCache:
         page_size: tokens per page.
         num_kv_heads: key/value heads (Hkv).
         head_dim: key head dim (Dqk).
-        dtype: floating dtype of the pages; appended tokens must already have it.
+        dtype: floating dtype of the pages; appended tokens must already have it. An fp8
+            dtype (``torch.float8_e4m3fn`` / ``float8_e5m2``) makes an fp8 cache: tokens are
+            appended in any float dtype and quantized on append (see below).
         device: device of the pages; appended tokens must already be there.
         v_head_dim: value head dim (Dv); defaults to ``head_dim``.
+        k_descale, v_descale: fp8 only: static descales, one per kv head ``(Hkv,)`` or one
+            number (vLLM's calibrated ``k_scale``/``v_scale``); an append whose values do
+            not fit ``max(dtype) * descale`` is refused. None (default): per (page, kv head)
+            scales chosen on append.
 
     Attributes:
         k_pages: ``(num_pages, page_size, Hkv, Dqk)`` tensor (zero-initialised).
         v_pages: ``(num_pages, page_size, Hkv, Dv)`` tensor (zero-initialised).
+        k_descale, v_descale: fp8 caches: ``(num_pages, Hkv)`` float32, the real value of
+            ``k_pages[p, t, h]`` is ``k_pages[p, t, h] * k_descale[p, h]``; None otherwise.
+
+    fp8 with per-page scales: each (page, kv head) keeps the absolute maximum of what it holds
+    and cuDNN's suggested scale for it (``max(dtype) / amax`` rounded down to a power of two).
+    A token that raises a page's maximum past its scale's range rescales the page (by a power
+    of two: exact but for values that become subnormal) before it is written. The decode
+    kernel reads fp8 pages directly and converts them in registers.
 
     Pages come from a free list, most recently freed first; freeing a sequence returns its
     pages without clearing them (readers use ``seqlens`` to know what is valid). The cache
@@ -74,6 +89,8 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: Union[str, torch.device] = "cpu",
         v_head_dim: Optional[int] = None,
+        k_descale: Any = None,
+        v_descale: Any = None,
     ) -> None:
         self.num_pages = check_int("num_pages", num_pages, 1)
         self.page_size = check_int("page_size", page_size, 1)
@@ -89,9 +106,40 @@ class PagedKVCache:
                                    dtype=dtype, device=self.device)
         self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
                                    dtype=dtype, device=self.device)
+        self.k_descale: Optional[Tensor] = None
+        self.v_descale: Optional[Tensor] = None
+        self._static_scales = k_descale is not None or v_descale is not None
+        if dtype in FP8_DTYPES:
+            self._init_fp8(k_descale, v_descale)
+        elif self._static_scales:
+            raise ValueError(f"k_descale and v_descale are for an fp8 cache; dtype is {dtype}: "
+                             f"drop them, or pass dtype=torch.float8_e4m3fn")
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() -> lowest first
         self._pages: Dict[Hashable, List[int]] = {}
         self._lens: Dict[Hashable, int] = {}
+
+    def _init_fp8(self, k_descale: Any, v_descale: Any) -> None:
+        shape = (self.num_pages, self.num_kv_heads)
+        self.k_descale = torch.ones(shape, dtype=torch.float32, device=self.device)
+        self.v_descale = torch.ones(shape, dtype=torch.float32, device=self.device)
+        #: per (page, kv head): the largest |value| stored there (per-page scales)
+        self._amax = {"k": torch.zeros(shape, dtype=torch.float32, device=self.device),
+                      "v": torch.zeros(shape, dtype=torch.float32, device=self.device)}
+        if not self._static_scales:
+            return
+        for name, d, store in (("k_descale", k_descale, self.k_descale),
+                               ("v_descale", v_descale, self.v_descale)):
+            if d is None:
+                raise ValueError(f"static fp8 scales need both k_descale and v_descale; "
+                                 f"{name} is missing")
+            if isinstance(d, Tensor) and d.numel() == self.num_kv_heads and d.dim() == 1:
+                values = [check_positive(f"{name}[{h}]", x) for h, x in enumerate(d.tolist())]
+                store.copy_(torch.tensor(values, dtype=torch.float32).view(1, -1))
+            elif isinstance(d, Tensor) and d.dim() > 0 and d.numel() != 1:
+                raise ValueError(f"{name} must be one number or one per kv head "
+                                 f"({self.num_kv_heads},); got shape {tuple(d.shape)}")
+            else:
+                store.fill_(check_positive(name, d))
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -155,7 +203,12 @@ class PagedKVCache:
             raise ValueError(
                 f"{name} must have shape (T, num_kv_heads={want[0]}, {dim}) (token-major), got "
                 f"{tuple(x.shape)}; for a (Hkv, T, D) tensor pass {name}.transpose(0, 1)")
-        if x.dtype != self.dtype:
+        if self.k_descale is not None:  # fp8: real values in, quantized here
+            if not x.dtype.is_floating_point or x.dtype in FP8_DTYPES:
+                raise TypeError(
+                    f"{name} has dtype {x.dtype}; an fp8 cache takes the real values in a "
+                    f"float dtype (bfloat16, float32 ...) and quantizes them on append")
+        elif x.dtype != self.dtype:
             raise TypeError(
                 f"{name} has dtype {x.dtype} but the cache stores {self.dtype}; convert with "
                 f"{name}.to({self.dtype}) or build the cache with dtype={x.dtype}")
@@ -184,6 +237,9 @@ class PagedKVCache:
                 f"k has {T} tokens but v has {v.shape[0]}; append keys and values together")
         if T == 0:
             return
+        if self.k_descale is not None:
+            self._check_fp8_values("k", k, self.k_descale)
+            self._check_fp8_values("v", v, self.v_descale)
         P = self.page_size
         length, pages = self._lens[seq_id], self._pages[seq_id]
         need = -(-(length + T) // P) - len(pages)
@@ -199,15 +255,66 @@ class PagedKVCache:
             pos = torch.arange(length, length + T, device=self.device)
             slots = table[pos // P] * P + pos % P
             with torch.no_grad():
-                self.k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
-                    0, slots, k.detach())
-                self.v_pages.view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(
-                    0, slots, v.detach())
+                if self.k_descale is not None:
+                    tok_pages = table[pos // P]
+                    fresh = torch.tensor(new_pages, dtype=torch.int64, device=self.device)
+                    self._write_fp8("k", self.k_pages, self.k_descale, k, slots, tok_pages,
+                                    fresh)
+                    self._write_fp8("v", self.v_pages, self.v_descale, v, slots, tok_pages,
+                                    fresh)
+                else:
+                    self.k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
+                        0, slots, k.detach())
+                    self.v_pages.view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(
+                        0, slots, v.detach())
         except BaseException:
             self._free.extend(reversed(new_pages))
             raise
         pages.extend(new_pages)
         self._lens[seq_id] = length + T
+
+    def _check_fp8_values(self, name: str, x: Tensor, descale: Tensor) -> None:
+        """What an fp8 append refuses before it changes anything: values that are not
+        finite, and with static scales values beyond their range."""
+        xf = x.detach().float()
+        if not bool(torch.isfinite(xf).all()):
+            raise ValueError(f"{name} holds inf or NaN; an fp8 cache stores finite values only")
+        if self._static_scales:
+            amax = xf.abs().amax(dim=(0, 2))  # (Hkv,)
+            limit = torch.finfo(self.dtype).max * descale[0]
+            if bool((amax > limit).any()):
+                h = int((amax > limit).nonzero()[0])
+                raise ValueError(
+                    f"{name} has |values| up to {float(amax[h]):g} in kv head {h}, beyond what "
+                    f"its static descale {float(descale[0, h]):g} can hold "
+                    f"({float(limit[h]):g}); use a larger {name}_descale, or per-page scales "
+                    f"({name}_descale=None)")
+
+    def _write_fp8(self, name: str, pages: Tensor, descale: Tensor, x: Tensor, slots: Tensor,
+                   tok_pages: Tensor, fresh: Tensor) -> None:
+        """Quantize tokens ``x (T, Hkv, D)`` into ``pages`` at ``slots`` (``tok_pages`` the page
+        of each token, ``fresh`` the pages this append took off the free list)."""
+        xf = x.detach().float()
+        hkv, d = self.num_kv_heads, pages.shape[-1]
+        if not self._static_scales:
+            amax = self._amax[name]
+            amax[fresh] = 0.0  # (freed pages keep stale values; a new owner starts over)
+            descale[fresh] = 1.0
+            touched, where = torch.unique(tok_pages, return_inverse=True)
+            tok_amax = xf.abs().amax(-1)  # (T, Hkv)
+            old = amax[touched]
+            new = old.scatter_reduce(0, where[:, None].expand_as(tok_amax), tok_amax, "amax")
+            new_d = 1.0 / suggested_scale(new, self.dtype)
+            ratio = torch.where(old > 0, descale[touched] / new_d, torch.ones_like(new_d))
+            if bool((ratio != 1).any()):  # a page's range grew: rescale what it holds
+                held = pages[touched].float() * ratio[:, None, :, None]
+                _bytes(pages)[touched] = _bytes(cast_fp8(held, self.dtype))
+            descale[touched] = new_d
+            amax[touched] = new
+        scale = 1.0 / descale[tok_pages]  # (T, Hkv), powers of two per page
+        # (torch has no fp8 index_copy: the bytes are copied)
+        _bytes(pages).view(-1, hkv, d).index_copy_(
+            0, slots, _bytes(cast_fp8(xf * scale[..., None], self.dtype)))
 
     # ------------------------------------------------------------------ reading
 
@@ -232,11 +339,14 @@ class PagedKVCache:
         lens = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32)
         return table.to(self.device), lens.to(self.device)
 
-    def gather(self, seq_ids: Sequence[Hashable]) -> Tuple[Tensor, Tensor]:
-        """Contiguous ``k (B, Hkv, Lmax, Dqk)``, ``v (B, Hkv, Lmax, Dv)``; see :func:`gather_kv`."""
+    def gather(self, seq_ids: Sequence[Hashable],
+               dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+        """Contiguous ``k (B, Hkv, Lmax, Dqk)``, ``v (B, Hkv, Lmax, Dv)``; see :func:`gather_kv`
+        (an fp8 cache gives the dequantized values, float32 unless ``dtype`` says otherwise)."""
         table, lens = self.block_table(seq_ids)
         max_len = max((self._lens[s] for s in seq_ids), default=0)
-        return gather_kv(self.k_pages, self.v_pages, table, lens, max_seqlen=max_len)
+        return gather_kv(self.k_pages, self.v_pages, table, lens, max_seqlen=max_len,
+                         k_descale=self.k_descale, v_descale=self.v_descale, dtype=dtype)
 
     # ------------------------------------------------------------------ explaining
 
@@ -244,9 +354,15 @@ class PagedKVCache:
         tokens = sum(self._lens.values())
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"v_head_dim={self.v_head_dim}, dtype={self.dtype}, device={self.device}, "
+                f"v_head_dim={self.v_head_dim}, dtype={self.dtype}{self._scales_repr()}, "
+                f"device={self.device}, "
                 f"sequences={len(self._pages)}, tokens={tokens}, "
                 f"free_pages={self.num_free_pages})")
+
+    def _scales_repr(self) -> str:
+        if self.k_descale is None:
+            return ""
+        return " (static scales)" if self._static_scales else " (per-page scales)"
 
     def to_string(self) -> str:
         """Multi-line picture: one line per sequence, then which sequence owns each page."""
@@ -260,12 +376,21 @@ class PagedKVCache:
         return "\n".join(lines)
 
 
+def _bytes(x: Tensor) -> Tensor:
+    """An fp8 tensor's storage as uint8 (for the indexing ops torch lacks for fp8)."""
+    return x.view(torch.uint8)
+
+
 #: Options the paged front doors do not take, and why.
 UNSUPPORTED = {
     "seqlens_q": "the queries are the last Lq positions of every sequence",
     "seqlens_kv": "the cache holds every sequence's length",
     "bias": "a bias needs a dense (Lq, Lk) grid; use score_mod",
     "dropout_mask": "a keep mask needs a dense (Lq, Lk) grid; use dropout_p with a seed",
+    "descale_q": "fp8 queries are not taken here: pass q in bfloat16/float32 (an fp8 cache "
+                 "keeps the key/value descales; see k_descale/v_descale)",
+    "descale_k": "the key descales are the pages' (k_descale)",
+    "descale_v": "the value descales are the pages' (v_descale)",
 }
 
 
@@ -287,15 +412,19 @@ def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable],
     gather and force that executor."""
     block_table, seqlens = cache.block_table(seq_ids)
     return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
+                                  k_descale=cache.k_descale, v_descale=cache.v_descale,
                                   return_lse=return_lse, backend=backend, **options)
 
 
 def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Any,
                            seqlens_kv: Any, *, return_lse: bool = False, backend: str = "auto",
+                           k_descale: Any = None, v_descale: Any = None,
                            **options: Any) -> Any:
     """:func:`paged_attention` on raw tensors (FlashAttention's ``block_table`` style):
     ``k_pages (num_pages, page_size, Hkv, Dqk)``, ``v_pages``, ``block_table (B, max_pages)``
-    and ``seqlens_kv (B,)`` (tensors or lists)."""
+    and ``seqlens_kv (B,)`` (tensors or lists). fp8 pages need ``k_descale`` and ``v_descale``
+    (``(num_pages, Hkv)``, ``(Hkv,)`` or a number; see :mod:`attnkit.pages`); q is then a
+    float tensor (float32, bfloat16 or float16) and the output has its dtype."""
     from . import backends
     from .api import _execute, attention
 
@@ -310,6 +439,9 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     block_table = _index_tensor("block_table", block_table, k_pages, torch.int32)
     seqlens_kv = _index_tensor("seqlens_kv", seqlens_kv, k_pages, torch.int32)
     if is_compiling():
+        if k_descale is not None or (isinstance(k_pages, Tensor) and k_pages.dtype in FP8_DTYPES):
+            raise NotImplementedError("fp8 pages are not supported under torch.compile yet; "
+                                      "call paged attention outside the compiled region")
         from . import compiled
 
         return compiled.paged(q, k_pages, v_pages, block_table, seqlens_kv, opts, return_lse,
@@ -323,18 +455,24 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
         raise ValueError(f"block_table must be (B, max_pages) with B = {q.shape[0]} (q's batch); "
                          f"got {tuple(getattr(block_table, 'shape', ()))}")
     lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
+    kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)
+    if kd is not None and (q.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise TypeError(f"q has dtype {q.dtype}; over fp8 pages q must be float32, bfloat16 or "
+                        f"float16 (the output has its dtype)")
     if lens.numel() and int(lens.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(lens.min())}")
     if backend in ("auto", "decode"):
         # the keys and values stay in their pages: the spec sees zero-stride stand-ins of the
         # gathered shape, so every option is validated as for a dense call (nothing allocated)
-        k_stub, v_stub = stand_ins(k_pages, v_pages, block_table)
+        k_stub, v_stub = stand_ins(k_pages, v_pages, block_table,
+                                   dtype=q.dtype if kd is not None else None)
         spec = build_spec(q, k_stub, v_stub, opts.merged(seqlens_kv=lens),
-                          paged=PagedKV(k_pages, v_pages, block_table.long()))
+                          paged=PagedKV(k_pages, v_pages, block_table.long(), kd, vd))
         if backends.choose(spec, backend) is not None:
             out, lse, _ = _execute(spec, backend)
             return (out, lse) if return_lse else out
-    k, v = gather_kv(k_pages, v_pages, block_table, lens)
+    k, v = gather_kv(k_pages, v_pages, block_table, lens, k_descale=kd, v_descale=vd,
+                     dtype=q.dtype if kd is not None else None)
     return attention(q, k, v, return_lse=return_lse, backend=backend,
                      **dict(options, seqlens_kv=lens))

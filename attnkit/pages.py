@@ -4,6 +4,10 @@
 ``block_table (B, max_pages)`` and ``seqlens (B,)``: token ``t`` of sequence ``b`` sits at
 ``(block_table[b, t // page_size], t % page_size)``. :mod:`attnkit.paged` builds caches and
 front doors on this; the decode executor reads pages in place or, without its kernel, gathers.
+
+fp8 pages (float8_e4m3fn / e5m2) come with descales ``k_descale``, ``v_descale`` of shape
+``(num_pages, Hkv)``: the real value of ``k_pages[p, t, h]`` is ``k_pages[p, t, h] *
+k_descale[p, h]`` (:func:`check_page_descales` also takes one per head or one per tensor).
 """
 
 from __future__ import annotations
@@ -13,7 +17,48 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["gather_kv"]
+__all__ = ["gather_kv", "check_page_descales"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_page_descales(k_pages: Tensor, v_pages: Tensor, k_descale: Any,
+                        v_descale: Any) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The descales of fp8 pages as float32 ``(num_pages, Hkv)`` (given per (page, kv head),
+    per kv head ``(Hkv,)`` or one number), or ``(None, None)`` for pages that are not fp8 (which
+    take no descales)."""
+    fp8 = [name for name, x in (("k_pages", k_pages), ("v_pages", v_pages)) if x.dtype in _FP8]
+    if not fp8:
+        for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is not None:
+                raise ValueError(f"{name} is for fp8 pages; the pages are {k_pages.dtype}: drop "
+                                 f"{name}")
+        return None, None
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages and v_pages must share one dtype; got {k_pages.dtype} and "
+                        f"{v_pages.dtype}")
+    num_pages, _, hkv, _ = k_pages.shape
+    out = []
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        want = f"({num_pages}, {hkv}) (num_pages, Hkv), ({hkv},) (per kv head) or a float"
+        if d is None:
+            raise ValueError(f"fp8 pages need {name}: the real values are pages * {name}, "
+                             f"{want}; a PagedKVCache with an fp8 dtype keeps them for you")
+        if isinstance(d, bool) or not isinstance(d, (int, float, Tensor)):
+            raise TypeError(f"{name} must be a float tensor of shape {want}; got "
+                            f"{type(d).__name__}")
+        d = torch.as_tensor(d, dtype=torch.float32, device=k_pages.device) if not isinstance(
+            d, Tensor) else d
+        if not d.dtype.is_floating_point or d.dtype in _FP8:
+            raise TypeError(f"{name} must be a float32 tensor; got {d.dtype}")
+        if d.device != k_pages.device:
+            raise ValueError(f"{name} is on {d.device} but the pages are on {k_pages.device}")
+        if d.dim() == 0 or tuple(d.shape) == (hkv,):
+            d = d.reshape(1, -1).expand(num_pages, hkv)
+        elif tuple(d.shape) != (num_pages, hkv):
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; expected {want}")
+        out.append(d.to(torch.float32).contiguous())
+    return out[0], out[1]
 
 
 def _index_tensor(name: str, x: Any, pages: Any, dtype: torch.dtype) -> Any:
@@ -85,6 +130,9 @@ def gather_kv(
     block_table: Tensor,
     seqlens: Tensor,
     max_seqlen: Optional[int] = None,
+    k_descale: Any = None,
+    v_descale: Any = None,
+    dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Copy paged keys/values into contiguous, zero-padded per-sequence tensors.
 
@@ -95,12 +143,18 @@ def gather_kv(
             ``[0, num_pages)``, the rest (padding, 0 or -1) are ignored.
         seqlens: integer ``(B,)``, ``0 <= seqlens[b] <= max_pages * page_size``.
         max_seqlen: ``Lmax``; defaults to ``seqlens.max()`` (which synchronises a GPU).
+        k_descale, v_descale: for fp8 pages (required there): see
+            :func:`check_page_descales`; the gathered values are dequantized.
+        dtype: the dtype of the result (default: the pages', float32 for fp8 pages).
 
     Returns:
         ``k (B, Hkv, Lmax, Dqk)`` and ``v (B, Hkv, Lmax, Dv)``, contiguous, zero past
         ``seqlens[b]``.
     """
     lens = _check_pages(k_pages, v_pages, block_table, seqlens)
+    kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)
+    if dtype is None:
+        dtype = torch.float32 if kd is not None else k_pages.dtype
     N, P, Hkv, Dk = k_pages.shape
     Dv = v_pages.shape[3]
     device = k_pages.device
@@ -119,15 +173,20 @@ def gather_kv(
     page = block_table.long()[:, torch.clamp(t // P, max=max(width - 1, 0))] if width else \
         torch.zeros(B, L, dtype=torch.long, device=device)
     if N * P == 0:  # nothing to read (so every length is 0)
-        return (torch.zeros(B, Hkv, L, Dk, dtype=k_pages.dtype, device=device),
-                torch.zeros(B, Hkv, L, Dv, dtype=v_pages.dtype, device=device))
+        return (torch.zeros(B, Hkv, L, Dk, dtype=dtype, device=device),
+                torch.zeros(B, Hkv, L, Dv, dtype=dtype, device=device))
 
     slots = torch.where(valid, page * P + t % P, torch.zeros((), dtype=torch.long,
                                                               device=device)).reshape(-1)
 
-    def take(pages: Tensor, D: int) -> Tensor:
-        x = pages.reshape(N * P, Hkv, D).index_select(0, slots).view(B, L, Hkv, D)
-        x.masked_fill_(~valid[:, :, None, None], 0)
+    def take(pages: Tensor, D: int, descale: Optional[Tensor]) -> Tensor:
+        if descale is not None:  # fp8 (no fp8 index_select: bytes), x8 * descale[page, head]
+            x = pages.view(torch.uint8).reshape(N * P, Hkv, D).index_select(0, slots)
+            x = x.view(pages.dtype).view(B, L, Hkv, D).float()
+            x = x * descale[torch.where(valid, page, 0)][..., None]
+        else:
+            x = pages.reshape(N * P, Hkv, D).index_select(0, slots).view(B, L, Hkv, D)
+        x = x.to(dtype).masked_fill_(~valid[:, :, None, None], 0)
         return x.transpose(1, 2).contiguous()
 
-    return take(k_pages, Dk), take(v_pages, Dv)
+    return take(k_pages, Dk, kd), take(v_pages, Dv, vd)

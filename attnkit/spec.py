@@ -163,11 +163,15 @@ def _is_default(value: Any, default: Any) -> bool:
 class PagedKV:
     """Keys and values read in place from pages (FlashAttention / vLLM layout):
     ``k_pages (P, page, Hkv, Dqk)``, ``v_pages (P, page, Hkv, Dv)``, ``block_table (N, W)``
-    int64 (row b lists sequence b's pages); the lengths are the spec's ``seqlens_kv``."""
+    int64 (row b lists sequence b's pages); the lengths are the spec's ``seqlens_kv``. fp8
+    pages come with their descales."""
 
     k_pages: Tensor
     v_pages: Tensor
     block_table: Tensor
+    #: fp8 pages: the real values are ``pages * descale[page, head]``, ``(P, Hkv)`` float32
+    k_descale: Optional[Tensor] = None
+    v_descale: Optional[Tensor] = None
 
     @property
     def page_size(self) -> int:

@@ -343,3 +343,208 @@ def test_out_dtype_and_scale_errors():
         attnkit.attention_backward(q8, k8, v8, torch.zeros(B, HQ, LQ, D),
                                    torch.zeros(B, HQ, LQ), torch.zeros(B, HQ, LQ, D).to(E5M2),
                                    **kw)
+
+
+# ---- the fp8 paged KV cache ----------------------------------------------------------------
+
+PAGE, NPAGES, CACHE_HKV, CACHE_D = 8, 24, 2, 32
+
+
+def _fp8_cache(fmt=E4M3, lengths=(29, 17, 40), seed=20, **kw):
+    """An fp8 cache and a float32 cache of the same tokens, appended in uneven chunks whose
+    magnitude grows (so pages are rescaled as they fill)."""
+    g = torch.Generator().manual_seed(seed)
+    c8 = attnkit.PagedKVCache(NPAGES, PAGE, CACHE_HKV, CACHE_D, dtype=fmt, **kw)
+    c32 = attnkit.PagedKVCache(NPAGES, PAGE, CACHE_HKV, CACHE_D, dtype=torch.float32)
+    ids = [f"s{i}" for i in range(len(lengths))]
+    for sid in ids:
+        c8.allocate(sid)
+        c32.allocate(sid)
+    for step in range(3):  # interleaved appends: pages of different sequences alternate
+        for sid, n in zip(ids, lengths):
+            t = n // 3 + (n % 3 if step == 2 else 0)
+            k = torch.randn(t, CACHE_HKV, CACHE_D, generator=g) * (1 + 4 * step)
+            v = torch.randn(t, CACHE_HKV, CACHE_D, generator=g) * (0.1 + step)
+            c8.append(sid, k.bfloat16(), v)
+            c32.append(sid, k.bfloat16().float(), v)
+    return c8, c32, ids
+
+
+def _dequantized_pages(cache):
+    return (cache.k_pages.double() * cache.k_descale.double()[:, None, :, None],
+            cache.v_pages.double() * cache.v_descale.double()[:, None, :, None])
+
+
+def test_fp8_cache_quantizes_on_append_with_per_page_scales():
+    c8, c32, ids = _fp8_cache()
+    assert c8.k_pages.dtype == E4M3 and c8.k_descale.shape == (NPAGES, CACHE_HKV)
+    k, v = c8.gather(ids, dtype=torch.float64)
+    k_true, v_true = c32.gather(ids)
+    table, lens = c8.block_table(ids)
+    for x, true, descale in ((k, k_true, c8.k_descale), (v, v_true, c8.v_descale)):
+        # each (page, head)'s scale is cuDNN's rule for what the page holds
+        for b, sid in enumerate(ids):
+            for col, page in enumerate(c8.pages_of(sid)):
+                held = true[b, :, col * PAGE:min((col + 1) * PAGE, int(lens[b]))]
+                amax = held.abs().amax(dim=(1, 2)).float()  # per head
+                assert torch.equal(1 / descale[page], torch.exp2(torch.floor(torch.log2(
+                    448 / amax))))
+        # each value within half an e4m3 ulp (2^-4 relative; subnormals 2^-10 * descale)
+        page_of = table.long()[:, torch.arange(true.shape[2]) // PAGE]  # (B, L)
+        d = descale[page_of].permute(0, 2, 1)[..., None].double()  # (B, Hkv, L, 1)
+        bound = torch.maximum(true.double().abs() * 2 ** -4, d * 2 ** -10)
+        assert bool(((x - true.double()).abs() <= bound + 1e-12).all())
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("kw", [{}, {"window": (11, 0), "softcap": 6.0},
+                                {"alibi_slopes": score_mods.alibi_slopes(4),
+                                 "sinks": torch.tensor([0.3, -1.0, 0.0, 2.0])}],
+                         ids=["plain", "window_softcap", "alibi_sinks"])
+def test_fp8_cache_decode_matches_the_oracle(native_on, fmt, kw, fresh_native, monkeypatch):
+    """The kernel reading fp8 pages (or, without it, the torch path) against the oracle on
+    the dequantized pages, float32 queries (tight) and bfloat16 (FlashAttention's rule)."""
+    from conftest import spy
+
+    from attnkit import native
+    from attnkit.pages import gather_kv
+
+    if not native_on:
+        fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    c8, _, ids = _fp8_cache(fmt)
+    calls = spy(monkeypatch, native, "paged_decode")
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 4, 2, CACHE_D, generator=g)  # two query rows (GQA 2)
+    table, lens = c8.block_table(ids)
+    kp, vp = _dequantized_pages(c8)
+    kd, vd = gather_kv(kp, vp, table, lens)
+    want = dict(causal=True, diagonal="bottom_right", seqlens_kv=lens.tolist(), **kw)
+    for qq in (q, q.bfloat16()):
+        out = attnkit.paged_attention(qq, c8, ids, **kw)
+        assert out.dtype == qq.dtype
+        ref = attention_reference(qq.double(), kd, vd, **want)
+        if qq.dtype == torch.float32:
+            assert (out.double() - ref).abs().max() < 2e-5
+        else:
+            _, w = attention_reference(qq.double(), kd, vd, return_weights=True, **want)
+            plain = w.bfloat16() @ vd.bfloat16().repeat_interleave(2, 1)
+            ok, err, base = fa_tolerance_ok(out, ref, plain)
+            assert ok, (err, base)
+    assert bool(calls) == native_on  # the kernel read the fp8 pages itself
+
+
+def test_fp8_cache_native_and_torch_paths_agree(fresh_native):
+    c8, _, ids = _fp8_cache(seed=22)
+    q = torch.randn(3, 4, 1, CACHE_D, generator=torch.Generator().manual_seed(23))
+    fast = attnkit.paged_attention(q, c8, ids)
+    fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    from attnkit import native
+
+    native._reset()
+    slow = attnkit.paged_attention(q, c8, ids)
+    assert (fast - slow).abs().max() < 1e-5
+
+
+def test_fp8_nan_in_a_page_is_nan_on_both_paths(fresh_native):
+    """An e4m3 NaN byte written into a page directly reads as NaN in the kernel's in-register
+    conversion, as in torch's (the row that sees it is NaN, the others are not)."""
+    from attnkit import native
+
+    c8, _, ids = _fp8_cache(seed=26)
+    page = c8.pages_of(ids[1])[0]
+    c8.k_pages.view(torch.uint8)[page, 3, 1, 5] = 0x7F  # e4m3fn NaN, kv head 1
+    q = torch.randn(3, 4, 1, CACHE_D, generator=torch.Generator().manual_seed(27))
+    outs = [attnkit.paged_attention(q, c8, ids)]
+    fresh_native.setenv("ATTNKIT_NATIVE", "0")
+    native._reset()
+    outs.append(attnkit.paged_attention(q, c8, ids))
+    for out in outs:
+        assert bool(out[1, 2:].isnan().all()) and not bool(out[1, :2].isnan().any())
+        assert not bool(out[[0, 2]].isnan().any())
+
+
+def test_fp8_cache_long_prefill_chunk_gathers_dequantized():
+    """More query rows than the kernel takes: the pages are gathered, dequantized, into q's
+    dtype and attention runs on them."""
+    c8, _, ids = _fp8_cache(seed=24, lengths=(40, 33))
+    q = torch.randn(2, 4, 20, CACHE_D, generator=torch.Generator().manual_seed(25))
+    out = attnkit.paged_attention(q, c8, ids)
+    k, v = c8.gather(ids, dtype=torch.float64)
+    ref = attention_reference(q.double(), k, v, causal=True, diagonal="bottom_right",
+                              seqlens_kv=[40, 33])
+    assert (out.double() - ref).abs().max() < 2e-5
+
+
+def test_fp8_cache_static_scales():
+    c8 = attnkit.PagedKVCache(4, 8, 2, 16, dtype=E4M3, k_descale=torch.tensor([0.5, 2.0]),
+                              v_descale=1.0)
+    c8.allocate("a")
+    k = torch.ones(3, 2, 16) * torch.tensor([96.0, 768.0]).view(1, 2, 1)  # (exact in e4m3)
+    c8.append("a", k, torch.full((3, 2, 16), 5.0))
+    assert c8.k_descale[0].tolist() == [0.5, 2.0] and c8.k_pages[0, 0, 1, 0].float() == 384
+    kk, _ = c8.gather(["a"])
+    assert torch.equal(kk[0].transpose(0, 1), k)
+    with pytest.raises(ValueError, match=r"k has \|values\| up to 300 in kv head 0, beyond"):
+        c8.append("a", torch.full((1, 2, 16), 300.0), torch.zeros(1, 2, 16))
+    assert c8.seq_len("a") == 3  # nothing changed
+
+
+def test_fp8_cache_errors():
+    c8 = attnkit.PagedKVCache(4, 8, 2, 16, dtype=E4M3)
+    c8.allocate("a")
+    with pytest.raises(TypeError, match="an fp8 cache takes the real values"):
+        c8.append("a", torch.zeros(2, 2, 16).to(E4M3), torch.zeros(2, 2, 16))
+    with pytest.raises(ValueError, match="k holds inf or NaN"):
+        c8.append("a", torch.full((2, 2, 16), float("nan")), torch.zeros(2, 2, 16))
+    assert c8.seq_len("a") == 0 and c8.num_free_pages == 4
+    with pytest.raises(ValueError, match="are for an fp8 cache"):
+        attnkit.PagedKVCache(4, 8, 2, 16, k_descale=1.0, v_descale=1.0)
+    c8.append("a", torch.randn(5, 2, 16), torch.randn(5, 2, 16))
+    table, lens = c8.block_table(["a"])
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="fp8 pages need k_descale"):
+        attnkit.paged_attention_blocks(q, c8.k_pages, c8.v_pages, table, lens)
+    with pytest.raises(ValueError, match=r"k_descale has shape \(3,\); expected \(4, 2\)"):
+        attnkit.paged_attention_blocks(q, c8.k_pages, c8.v_pages, table, lens,
+                                       k_descale=torch.ones(3), v_descale=c8.v_descale)
+    with pytest.raises(TypeError, match="over fp8 pages q must be float32, bfloat16"):
+        attnkit.paged_attention_blocks(q.double(), c8.k_pages, c8.v_pages, table, lens,
+                                       k_descale=c8.k_descale, v_descale=c8.v_descale)
+    with pytest.raises(NotImplementedError, match="does not take descale_k"):
+        attnkit.paged_attention(q, c8, ["a"], descale_k=1.0)
+
+
+def test_fp8_kernel_refuses_missing_descales_itself():
+    """The C kernel checks its arguments before it runs: fp8 pages without descales, or bf16
+    query dot products over fp8 keys, are refused (return code 2), never read."""
+    import ctypes
+
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    lib = native._lib()
+    q = torch.zeros(1, 16)
+    qh = torch.zeros(1, 16, dtype=torch.bfloat16)
+    pages = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
+    d = torch.ones(1, 1)
+    st = torch.tensor([16, 16, 16], dtype=torch.int64)
+    bt = torch.zeros(1, 1, dtype=torch.int64)
+    lens = torch.ones(1, dtype=torch.int64)
+    dims = torch.tensor([1, 1, 1, 1, 16, 16, 1, 1], dtype=torch.int64)
+    out, lse = torch.zeros(1, 16), torch.zeros(1)
+
+    def call(kd, vd, dtype=3, qh_ptr=None):
+        return lib.attnkit_decode(q.data_ptr(), qh_ptr, 1.0, pages.data_ptr(), pages.data_ptr(),
+                                  kd, vd, st.data_ptr(), st.data_ptr(), bt.data_ptr(), 1,
+                                  lens.data_ptr(), None, dims.data_ptr(), 1, 1, dtype, 0, 1, 0,
+                                  0, 0, 0, ctypes.c_float(0.0), None, out.data_ptr(),
+                                  lse.data_ptr(), 1)
+
+    assert call(None, None) == 2
+    assert call(d.data_ptr(), None) == 2
+    assert call(d.data_ptr(), d.data_ptr(), qh_ptr=qh.data_ptr()) == 2
+    assert call(d.data_ptr(), d.data_ptr(), dtype=1) == 2  # descales on bf16 pages
+    assert call(d.data_ptr(), d.data_ptr()) == 0
+    assert call(None, None, dtype=5) == 2

@@ -12,7 +12,8 @@ step takes:
 - packed sequences (varlen, continuous batching): every sequence's keys read in place from
   the packed K/V, in one call;
 - a paged cache (``spec.paged``: pages, block table and lengths), read through the block
-  table with no gather.
+  table with no gather; fp8 pages (with their per-(page, kv head) descales) are converted in
+  the kernel's registers, with no dequantized copy.
 
 Where the kernel cannot run (no compiler, ``ATTNKIT_NATIVE=0``, head dims not multiples of 16,
 float64), the same computation runs in torch ops: the tiled executor's forward, and for a paged
@@ -112,11 +113,14 @@ def _kernel_kv(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
     contiguous cache as one page), when the kernel can run the call; else None."""
     if spec.q.dtype == torch.float64:
         return None
+    kd = vd = None
     if spec.paged is not None:
         k, v = spec.paged.k_pages, spec.paged.v_pages
+        kd, vd = spec.paged.k_descale, spec.paged.v_descale
     else:
         k, v = _data(spec.k).transpose(1, 2), _data(spec.v).transpose(1, 2)
-    return None if native.decode_reasons(_data(spec.q), k, v, grad_ok=True) else (k, v)
+    why = native.decode_reasons(_data(spec.q), k, v, grad_ok=True, k_descale=kd, v_descale=vd)
+    return None if why else (k, v)
 
 
 def _data(x: Tensor) -> Tensor:
@@ -154,8 +158,10 @@ def _native(spec: AttentionSpec, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor,
     if rows is None:
         return None
     lengths, starts = rows
+    descales = {}
     if spec.paged is not None:
         table = spec.paged.block_table
+        descales = {"k_descale": spec.paged.k_descale, "v_descale": spec.paged.v_descale}
     else:  # each batch row read as one page of Lk tokens (a strided view, no copy)
         n, dev = spec.n, q.device
         table = _cached(_ROW_TABLES, (n, dev),
@@ -164,7 +170,7 @@ def _native(spec: AttentionSpec, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor,
             lengths = _cached(_FULL_LENGTHS, (n, spec.lk, dev),
                               lambda: torch.full((n,), spec.lk, dtype=torch.int64, device=dev))
     return native.paged_decode(q, k, v, table, lengths, scale=spec.scale, starts=starts,
-                               **_terms(spec))
+                               **_terms(spec), **descales)
 
 
 def _key_rows(spec: AttentionSpec) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
@@ -243,7 +249,8 @@ def _fallback(spec: AttentionSpec) -> ForwardResult:
             return ForwardResult(out=out, lse=lse, max_scores=_no_max(lse))
         p = spec.paged
         k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv,
-                         max_seqlen=spec.lk)
+                         max_seqlen=spec.lk, k_descale=p.k_descale, v_descale=p.v_descale,
+                         dtype=spec.q.dtype if p.k_descale is not None else None)
         spec = replace(spec, k=k, v=v, paged=None)
     return tiled.forward(spec, tiled.make_plan(spec))
 

@@ -55,10 +55,12 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 6  # AK_ABI in decode.c
+_ABI = 7  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: fp8 pages, read with per-(page, kv head) descales and converted in registers
+_FP8 = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib", "reason", "info" once loading was tried
@@ -229,8 +231,8 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         if lib.attnkit_native_abi() != _ABI:
             return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, i64, p, p, p, i64, i64, i32,
-                                       i32, i32, i32, i64, i32, i64, f32, p, p, p, i32]
+        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, p, p, i64, p, p, p, i64, i64,
+                                       i32, i32, i32, i32, i64, i32, i64, f32, p, p, p, i32]
         lib.attnkit_decode.restype = i32
         lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
                                        ctypes.c_uint32, p]
@@ -298,19 +300,36 @@ def _reset() -> None:
         _state.clear()
 
 
-def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor,
-                   grad_ok: bool = False) -> List[str]:
+def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor, grad_ok: bool = False,
+                   k_descale: Optional[Tensor] = None,
+                   v_descale: Optional[Tensor] = None) -> List[str]:
     """Why :func:`paged_decode` cannot run this call (empty when it can). The kernel has no
     backward: ``grad_ok`` says the caller differentiates by other means (the fused executor
-    runs torch's backward from the kernel's output and LSE)."""
+    runs torch's backward from the kernel's output and LSE). fp8 pages need ``k_descale``
+    and ``v_descale`` ``(num_pages, Hkv)`` and q in float32, bfloat16 or float16."""
     reasons = []
     if _lib() is None:
         reasons.append(f"native kernel unavailable: {_state['reason']}")
     if any(x.device.type != "cpu" for x in (q, k_pages, v_pages)):
         reasons.append("native kernel runs on CPU tensors only")
-    if k_pages.dtype not in _DTYPES or v_pages.dtype != k_pages.dtype or q.dtype != k_pages.dtype:
+    if k_pages.dtype in _FP8:
+        want = tuple(k_pages.shape[:1]) + tuple(k_pages.shape[2:3])
+        if v_pages.dtype != k_pages.dtype or q.dtype not in _DTYPES:
+            reasons.append(f"native kernel reads fp8 pages of one format with float32, "
+                           f"bfloat16 or float16 queries; got q {q.dtype}, k_pages "
+                           f"{k_pages.dtype}, v_pages {v_pages.dtype}")
+        if any(d is None or tuple(d.shape) != want or d.device.type != "cpu"
+               for d in (k_descale, v_descale)):
+            reasons.append(f"native kernel needs k_descale and v_descale of shape {want} "
+                           f"(num_pages, Hkv) for fp8 pages")
+        if _state.get("info", {}).get("f16") is False:
+            reasons.append("native kernel was built by a compiler without _Float16 support "
+                           "(its fp8 conversion goes through float16)")
+    elif (k_pages.dtype not in _DTYPES or v_pages.dtype != k_pages.dtype
+          or q.dtype != k_pages.dtype):
         reasons.append(f"native kernel needs q, k_pages and v_pages of one dtype among float32, "
-                       f"bfloat16, float16; got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+                       f"bfloat16, float16 (or fp8 pages); got {q.dtype}, {k_pages.dtype}, "
+                       f"{v_pages.dtype}")
     elif k_pages.dtype == torch.float16 and _state.get("info", {}).get("f16") is False:
         reasons.append("native kernel was built by a compiler without _Float16 support")
     if q.shape[-1] % 16 or v_pages.shape[-1] % 16:
@@ -353,7 +372,8 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
                  window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                  softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                  splits: Optional[int] = None, threads: Optional[int] = None,
-                 starts: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                 starts: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                 v_descale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of ``q (B, Hq, Lq, D)`` over paged keys/values, in the native kernel.
 
     The caller has validated the shapes and the block table (every page a sequence uses lies
@@ -366,7 +386,10 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     unbounded; ``causal`` caps ``right`` at 0. ``alibi_slopes`` is ``(Hq,)``, ``(1, Hq)`` or
     ``(B, Hq)``. ``splits`` (key ranges per sequence, merged by LSE) and ``threads`` default
     to :func:`_splits` and ``torch.get_num_threads()``. ``starts (B,)`` shifts where each
-    sequence begins in its block-table row (packed sequences in one long page). Returns
+    sequence begins in its block-table row (packed sequences in one long page). fp8 pages
+    (float8_e4m3fn / e5m2) hold ``x8`` with the real value ``x8 * k_descale[page, head]``
+    (``v_descale`` likewise, both ``(num_pages, Hkv)``); the kernel converts them in
+    registers, with no dequantized copy. Returns
     ``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, both float32. A row with a NaN or +inf
     score among the keys it sees gives NaN out and LSE; a row that sees no key (or only -inf
     scores) gives 0 and ``-inf``; keys a row does not see never reach it, whatever they hold.
@@ -389,8 +412,16 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     splits = max(1, -(-keys // per_split))
     qf = (q.to(torch.float32) * scale).contiguous()
     # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale after)
-    qh = q.contiguous() if (q.dtype == torch.bfloat16 and d % 32 == 0
-                            and _state["info"].get("bf16_dot")) else None
+    qh = q.contiguous() if (q.dtype == torch.bfloat16 and k_pages.dtype == torch.bfloat16
+                            and d % 32 == 0 and _state["info"].get("bf16_dot")) else None
+    fp8 = k_pages.dtype in _FP8
+    if fp8 and (k_descale is None or v_descale is None):
+        raise ValueError("fp8 pages need k_descale and v_descale (num_pages, Hkv)")
+    kd = k_descale.to(torch.float32).contiguous() if fp8 else None
+    vd = v_descale.to(torch.float32).contiguous() if fp8 else None
+    if fp8 and (tuple(kd.shape) != (num_pages, hkv) or tuple(vd.shape) != (num_pages, hkv)):
+        raise ValueError(f"k_descale and v_descale must have shape ({num_pages}, {hkv}) "
+                         f"(num_pages, Hkv); got {tuple(kd.shape)} and {tuple(vd.shape)}")
     bt = block_table.to(torch.int64).contiguous()
     lens = seqlens.to(torch.int64).contiguous()
     first = None if starts is None else starts.to(torch.int64).contiguous()
@@ -406,10 +437,12 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     lse = torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
     rc = lib.attnkit_decode(
         qf.data_ptr(), qh.data_ptr() if qh is not None else None, float(scale),
-        k_pages.data_ptr(), v_pages.data_ptr(), kst.data_ptr(), vst.data_ptr(),
+        k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if fp8 else None,
+        vd.data_ptr() if fp8 else None, kst.data_ptr(), vst.data_ptr(),
         bt.data_ptr(), width, lens.data_ptr(), first.data_ptr() if first is not None else None,
         dims.data_ptr(), splits, per_split,
-        _DTYPES[k_pages.dtype], int(causal), int(diagonal == "bottom_right"),
+        _FP8[k_pages.dtype] if fp8 else _DTYPES[k_pages.dtype], int(causal),
+        int(diagonal == "bottom_right"),
         left is not None, _bound(left), right is not None, _bound(right),
         float(softcap) if softcap is not None else 0.0,
         slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),

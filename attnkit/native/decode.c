@@ -30,19 +30,22 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 6
+#define AK_ABI 7
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
 #endif
 
-enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2 };
+enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2, AK_E4M3 = 3, AK_E5M2 = 4 };
+/* bytes per element of a page dtype */
+#define AK_ESZ(dtype) ((dtype) == AK_F32 ? 4 : (dtype) >= AK_E4M3 ? 1 : 2)
 enum { AK_BAD_ARGS = 2 };
 
 typedef float ak_v8 __attribute__((vector_size(32)));
 typedef float ak_v4 __attribute__((vector_size(16)));
 typedef uint16_t ak_vu16 __attribute__((vector_size(32)));
 typedef uint32_t ak_vu32 __attribute__((vector_size(64)));
+typedef uint8_t ak_vu8 __attribute__((vector_size(16)));
 #ifdef __FLT16_MAX__
 typedef _Float16 ak_vh __attribute__((vector_size(32)));
 #endif
@@ -52,6 +55,7 @@ typedef struct {
     const uint16_t *qh;        /* NULL, or q unscaled in bfloat16 for the bf16 dot products */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
+    const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
     int64_t ks_page, ks_tok, ks_head;
     int64_t vs_page, vs_tok, vs_head;
     const int64_t *bt;         /* (B, bt_cols) contiguous */
@@ -83,10 +87,32 @@ int attnkit_native_has_f16(void) {
 #endif
 }
 
-/* 16 elements at p as float32 (dtype is a constant wherever this is inlined) */
+/* 16 elements at p as float32 (dtype is a constant wherever this is inlined). fp8 pages are
+ * converted in registers through exact float16 bit patterns: an e5m2 byte is the high byte
+ * of a float16; an e4m3 byte b is the float16 (b & 0x80) << 8 | (b & 0x7f) << 7 times 2^-8
+ * (run_task puts the 2^8 on the page's descale: `unit`), and its NaN (b & 0x7f == 0x7f)
+ * becomes a float16 NaN. */
 AK_INLINE ak_vf load16(const char *p, int dtype) {
     ak_vf f;
-    if (dtype == AK_F32) {
+    if (dtype == AK_E4M3 || dtype == AK_E5M2) {
+#ifdef __FLT16_MAX__
+        ak_vu8 b8;
+        memcpy(&b8, p, sizeof b8);
+        ak_vu16 b = __builtin_convertvector(b8, ak_vu16), h;
+        if (dtype == AK_E4M3) {
+            const ak_vu16 nan = (ak_vu16)((b & 0x7f) == 0x7f);
+            h = ((b & 0x80) << 8) | ((b & 0x7f) << 7);
+            h = (h & ~nan) | (nan & 0x7e00);
+        } else {
+            h = b << 8;
+        }
+        ak_vh hf;
+        memcpy(&hf, &h, sizeof hf);
+        f = __builtin_convertvector(hf, ak_vf);
+#else
+        memset(&f, 0, sizeof f);
+#endif
+    } else if (dtype == AK_F32) {
         memcpy(&f, p, sizeof f);
     } else if (dtype == AK_BF16) {
         ak_vu16 h;
@@ -116,7 +142,7 @@ AK_INLINE float hsum(ak_vf v) {
 /* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (accumulators in registers) */
 AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
                       int64_t os) {
-    const int esz = dtype == AK_F32 ? 4 : 2;
+    const int esz = AK_ESZ(dtype);
     ak_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t d = 0; d < D; d += AK_W) {
         const ak_vf kb = load16(k + d * esz, dtype);
@@ -137,7 +163,7 @@ AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float
 }
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
-    const int esz = dtype == AK_F32 ? 4 : 2;
+    const int esz = AK_ESZ(dtype);
     ak_vf a0 = {0}, a1 = {0};
     int64_t d = 0;
     for (; d + 2 * AK_W <= D; d += 2 * AK_W) {
@@ -213,7 +239,7 @@ int attnkit_native_has_dpbf16(void) {
 /* acc_g += sum_t p[g * ps + t] * v_t for 4 rows g, over n value rows v_t = v + t * vstride */
 AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
                    int64_t ps, int64_t Dv, float *acc) {
-    const int esz = dtype == AK_F32 ? 4 : 2;
+    const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
         ak_vf a0, a1, a2, a3;
         memcpy(&a0, acc + d, sizeof a0);
@@ -236,7 +262,7 @@ AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const f
 
 AK_INLINE void pv1(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
                    int64_t Dv, float *acc) {
-    const int esz = dtype == AK_F32 ? 4 : 2;
+    const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
         ak_vf a0, a1 = {0};
         memcpy(&a0, acc + d, sizeof a0);
@@ -282,6 +308,8 @@ static void score_head(const char *k, int dtype, const float *q, const uint16_t 
 #endif
     if (dtype == AK_BF16) score_head_t(k, AK_BF16, q, D, rows, out, os);
     else if (dtype == AK_F16) score_head_t(k, AK_F16, q, D, rows, out, os);
+    else if (dtype == AK_E4M3) score_head_t(k, AK_E4M3, q, D, rows, out, os);
+    else if (dtype == AK_E5M2) score_head_t(k, AK_E5M2, q, D, rows, out, os);
     else score_head_t(k, AK_F32, q, D, rows, out, os);
 }
 
@@ -289,6 +317,8 @@ static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const 
                     int64_t ps, int64_t Dv, int64_t rows, float *acc) {
     if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc);
     else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc);
+    else if (dtype == AK_E4M3) pv_head_t(v, vstride, n, AK_E4M3, p, ps, Dv, rows, acc);
+    else if (dtype == AK_E5M2) pv_head_t(v, vstride, n, AK_E5M2, p, ps, Dv, rows, acc);
     else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc);
 }
 
@@ -315,6 +345,8 @@ static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1,
     p += t0;
     if (dtype == AK_BF16) pv1(v, vstride, t1 - t0, AK_BF16, p, Dv, acc);
     else if (dtype == AK_F16) pv1(v, vstride, t1 - t0, AK_F16, p, Dv, acc);
+    else if (dtype == AK_E4M3) pv1(v, vstride, t1 - t0, AK_E4M3, p, Dv, acc);
+    else if (dtype == AK_E5M2) pv1(v, vstride, t1 - t0, AK_E5M2, p, Dv, acc);
     else pv1(v, vstride, t1 - t0, AK_F32, p, Dv, acc);
 }
 
@@ -322,6 +354,17 @@ AK_INLINE float hmax(ak_vf v) {
     float m = v[0];
     for (int i = 1; i < AK_W; ++i) m = v[i] > m ? v[i] : m;
     return m;
+}
+
+/* sc[r * AK_CHUNK + t] *= unit * descale[h] for the rows r of each kv head h, t < n */
+static void scale_rows(float *sc, const float *descale, float unit, int64_t Hkv,
+                       int64_t rows_per_head, int64_t n) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+        const float f = unit * descale[h];
+        float *row = sc + h * rows_per_head * AK_CHUNK;
+        for (int64_t r = 0; r < rows_per_head; ++r, row += AK_CHUNK)
+            for (int64_t t = 0; t < n; ++t) row[t] *= f;
+    }
 }
 
 /* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
@@ -344,7 +387,9 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int64_t rows_per_head = (Hq / Hkv) * Lq; /* kv head h: rows [h, h + 1) * this */
     const int64_t s = task % S, b = task / S;
     const int64_t L = job->seqlens[b], base = job->starts ? job->starts[b] : 0;
-    const int dtype = job->dtype, esz = dtype == AK_F32 ? 4 : 2;
+    const int dtype = job->dtype, esz = AK_ESZ(dtype);
+    /* fp8: what a converted element is worth before the page's descale (e4m3: 2^8) */
+    const float unit = dtype == AK_E4M3 ? 256.0f : 1.0f;
     float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope;
     int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
     const float *qb = job->q + b * R * D; /* row r = hq * Lq + i */
@@ -389,6 +434,8 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                            rows_per_head,
                            sc + h * rows_per_head * AK_CHUNK + t, AK_CHUNK);
         }
+        if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
+            scale_rows(sc, job->kd + page * Hkv, unit, Hkv, rows_per_head, n);
         /* score terms, visibility, online softmax; 16 lanes at a time over the whole chunk
          * buffer (lanes past n are masked like invisible keys) */
         const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -447,7 +494,9 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             m[r] = mnew;
         }
         /* P V, one kv head at a time; all its rows together where they all see the whole
-         * chunk (always when decoding one row), else each row over what it sees */
+         * chunk (always when decoding one row), else each row over what it sees. fp8
+         * values: the page's descale goes on the weights (the sums l are already taken) */
+        if (job->vd) scale_rows(sc, job->vd + page * Hkv, unit, Hkv, rows_per_head, n);
         for (int64_t h = 0; h < Hkv; ++h) {
             const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
             const char *vh = vbase + h * job->vs_head * esz;
@@ -530,10 +579,13 @@ static int check_args(const ak_job *job, int64_t num_pages) {
     if (P < 1 || num_pages < 0 || job->bt_cols < 0 || job->splits < 1) return 1;
     if (job->keys_per_split < 1 || job->splits > INT64_MAX / job->keys_per_split) return 1;
     if (B > INT64_MAX / job->splits) return 1; /* ntasks = B * splits */
-    if (job->dtype != AK_F32 && job->dtype != AK_BF16 && job->dtype != AK_F16) return 1;
+    if (job->dtype < AK_F32 || job->dtype > AK_E5M2) return 1;
 #ifndef __FLT16_MAX__
-    if (job->dtype == AK_F16) return 1;
+    if (job->dtype != AK_F32 && job->dtype != AK_BF16) return 1;
 #endif
+    const int fp8 = job->dtype >= AK_E4M3;
+    if (fp8 != (job->kd != NULL) || fp8 != (job->vd != NULL)) return 1; /* descales iff fp8 */
+    if (job->qh && job->dtype != AK_BF16) return 1; /* bf16 dot products need bf16 keys */
     if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
         || job->vs_tok < 0 || job->vs_head < 0)
         return 1;
@@ -555,7 +607,7 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 /* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
  * nothing done) when check_args refuses the arguments. */
 int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *kp,
-                   const void *vp,
+                   const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
                    const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
                    const int64_t *starts,
@@ -567,7 +619,7 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
                    int nthreads) {
     ak_job job = {
         .q = q, .qh = qh, .scale = scale,
-        .kp = (const char *)kp, .vp = (const char *)vp,
+        .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
         .ks_page = kstrides[0], .ks_tok = kstrides[1], .ks_head = kstrides[2],
         .vs_page = vstrides[0], .vs_tok = vstrides[1], .vs_head = vstrides[2],
         .bt = bt, .bt_cols = bt_cols, .seqlens = seqlens, .starts = starts,
