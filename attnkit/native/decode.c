@@ -49,6 +49,29 @@ typedef uint8_t ak_vu8 __attribute__((vector_size(16)));
 #ifdef __FLT16_MAX__
 typedef _Float16 ak_vh __attribute__((vector_size(32)));
 #endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* 16 float16 bit patterns as float32: vcvtph2ps where there is AVX-512 (GCC scalarises the
+ * vector-extension conversion), else the compiler's conversion; 0 without _Float16. */
+AK_INLINE ak_vf half_to_float(ak_vu16 h) {
+    ak_vf f;
+#if defined(__AVX512F__)
+    __m256i hi;
+    memcpy(&hi, &h, sizeof hi);
+    const __m512 x = _mm512_cvtph_ps(hi);
+    memcpy(&f, &x, sizeof f);
+#elif defined(__FLT16_MAX__)
+    ak_vh hf;
+    memcpy(&hf, &h, sizeof hf);
+    f = __builtin_convertvector(hf, ak_vf);
+#else
+    (void)h;
+    memset(&f, 0, sizeof f);
+#endif
+    return f;
+}
 
 typedef struct {
     const float *q;            /* (B, Hq, Lq, D) float32 contiguous, already scaled */
@@ -106,9 +129,7 @@ AK_INLINE ak_vf load16(const char *p, int dtype) {
         } else {
             h = b << 8;
         }
-        ak_vh hf;
-        memcpy(&hf, &h, sizeof hf);
-        f = __builtin_convertvector(hf, ak_vf);
+        f = half_to_float(h);
 #else
         memset(&f, 0, sizeof f);
 #endif
@@ -121,9 +142,9 @@ AK_INLINE ak_vf load16(const char *p, int dtype) {
         memcpy(&f, &u, sizeof f);
     } else {
 #ifdef __FLT16_MAX__
-        ak_vh h;
+        ak_vu16 h;
         memcpy(&h, p, sizeof h);
-        f = __builtin_convertvector(h, ak_vf);
+        f = half_to_float(h);
 #else
         memset(&f, 0, sizeof f);
 #endif
