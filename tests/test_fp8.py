@@ -548,3 +548,39 @@ def test_fp8_kernel_refuses_missing_descales_itself():
     assert call(d.data_ptr(), d.data_ptr(), dtype=1) == 2  # descales on bf16 pages
     assert call(d.data_ptr(), d.data_ptr()) == 0
     assert call(None, None, dtype=5) == 2
+
+
+# ---- the benchmark's fp8 cases -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{"fp8": "e4m3"}, {"fp8": "e4m3", "page_size": 16}],
+                         ids=["prefill", "paged_decode"])
+def test_bench_fp8_cases_run_attnkit_on_quantized_inputs(extra):
+    """The benchmark's fp8 peers: attnkit quantizes (per head, or into an fp8 cache) and its
+    output is the oracle's on the dequantized inputs; peers without fp8 decline."""
+    from attnkit.bench.cases import Case, catalog
+    from attnkit.bench.peers import PEERS, make_call, paged_cache
+    from attnkit.bench.workloads import make_workload
+
+    decode = "page_size" in extra
+    case = Case("t_fp8", batch=2, heads_q=4, heads_kv=2, len_q=1 if decode else 40,
+                len_kv=70 if decode else None, d_qk=16, causal=True,
+                diagonal="bottom_right" if decode else "top_left", passes=("fwd",),
+                extra=extra)
+    assert "fp8" in case.features() and PEERS["sdpa"].supports(case, "fwd")
+    w = make_workload(case, torch.bfloat16)
+    out = make_call(PEERS["attnkit"], w, "fwd")()
+    if decode:
+        k, v = paged_cache(w).gather(list(range(case.batch)), dtype=torch.float64)
+    else:
+        (k8, dk), (v8, dv) = (attnkit.quantize_fp8(x, E4M3, "head") for x in (w.k, w.v))
+        k, v = _deq(k8, dk), _deq(v8, dv)
+        q8, dq = attnkit.quantize_fp8(w.q, E4M3, "head")
+    q = w.q.double() if decode else _deq(q8, dq)
+    kw = dict(causal=True, diagonal=case.diagonal)
+    ok, err, base = fa_tolerance_ok(out, attention_reference(q, k, v, **kw),
+                                    _plain(q, k, v, **kw))
+    assert ok, (err, base)
+    big = catalog()["paged_decode_fp8" if decode else "causal_4k_fp8"]
+    assert big.features() - {"fp8"} == catalog()[
+        "paged_decode" if decode else "causal_4k"].features()

@@ -312,6 +312,17 @@ CATALOG: Tuple[Case, ...] = (
          d_qk=128, causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
          dtypes=("bfloat16",), extra={"page_size": 256},
          note="one long sequence: keys split across threads (flash-decoding)"),
+    # ---- fp8 (run with --only paged_decode,paged_decode_fp8,causal_4k,causal_4k_fp8 and the
+    # bfloat16 dtype: the ratios fp8 / bf16 come from one run)
+    Case("paged_decode_fp8", batch=8, heads_q=32, heads_kv=8, len_q=1, len_kv=8192, d_qk=128,
+         causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
+         dtypes=("bfloat16",), extra={"page_size": 256, "fp8": "e4m3"},
+         note="paged_decode over an e4m3 cache (per-page scales, read in place); the GB/s "
+              "note counts 2 bytes per element: fp8 reads half"),
+    Case("causal_4k_fp8", len_q=4096, causal=True, suites=_S, passes=("fwd",),
+         dtypes=("bfloat16",), extra={"fp8": "e4m3"},
+         note="causal_4k on e4m3 q/k/v (per-head descales); err is vs the unquantized "
+              "reference, so it includes the quantization"),
     Case("dropout_4k", len_q=4096, causal=True, suites=_S, extra={"dropout_p": 0.1},
          note="random masks differ across peers: attnkit checked against its own keep mask"),
     # ---- inside torch.compile(fullgraph=True): the attention call of a compiled model (the

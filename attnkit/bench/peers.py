@@ -185,7 +185,8 @@ def paged_cache(w: Workload) -> Any:
     c = w.case
     ps = int(c.extra["page_size"])
     chunks = -(-c.lk // ps)
-    cache = attnkit.PagedKVCache(c.batch * chunks, ps, c.hkv, c.d_qk, w.dtype, v_head_dim=c.dv)
+    dtype = _fp8_dtype(c) or w.dtype  # an fp8 cache quantizes the workload's K/V on append
+    cache = attnkit.PagedKVCache(c.batch * chunks, ps, c.hkv, c.d_qk, dtype, v_head_dim=c.dv)
     for b in range(c.batch):
         cache.allocate(b)
     order = torch.randperm(c.batch * chunks, generator=torch.Generator().manual_seed(c.seed))
@@ -199,21 +200,56 @@ def paged_cache(w: Workload) -> Any:
     return cache
 
 
+def _fp8_dtype(c: Case) -> Optional[torch.dtype]:
+    """The fp8 format of an ``extra={"fp8": "e4m3" | "e5m2"}`` case, else None."""
+    fmt = c.extra.get("fp8")
+    if fmt is None:
+        return None
+    formats = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+    if fmt not in formats:
+        raise ValueError(f"case {c.name!r}: extra['fp8'] must be 'e4m3' or 'e5m2'; got {fmt!r}")
+    return formats[fmt]
+
+
+def _attnkit_fp8(w: Workload, kw: Dict[str, Any]) -> Forward:
+    """attention() on the workload's q, k, v quantized once (per head, cuDNN's scale) outside
+    the timed call; the call computes in the workload's dtype."""
+    import attnkit
+
+    fmt = _fp8_dtype(w.case)
+
+    def quantized() -> tuple:
+        return tuple(attnkit.quantize_fp8(x, fmt, "head") for x in (w.q, w.k, w.v))
+
+    (q8, dq), (k8, dk), (v8, dv) = w.cached("fp8_inputs", quantized)
+
+    def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv,
+                                 out_dtype=w.dtype, **kw)
+
+    return forward
+
+
 class Attnkit(Peer):
     """:func:`attnkit.attention`, the subject (``varlen_attention`` / ``paged_attention`` for
     the varlen and paged cases)."""
 
     name = "attnkit"
     label = "attnkit.attention"
-    FEATURES = ALL_FEATURES | WORKLOAD_FEATURES
+    FEATURES = ALL_FEATURES | WORKLOAD_FEATURES | {"fp8"}
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
+        if "fp8" in case.extra and "page_size" not in case.extra:
+            return [f"fp8 ({case.extra['fp8']}) q/k/v with per-head descales, dequantized into "
+                    f"the compute dtype; err includes the quantization"]
         if "varlen" in case.extra:
             return ["varlen_attention; pack/unpack inside the call"]
         if "page_size" in case.extra:
             from attnkit import native
 
-            return [f"paged_attention, {case.extra['page_size']}-token shuffled pages; "
+            fp8 = (f"{case.extra['fp8']} pages (per-page scales; K/V bytes are half the GB/s "
+                   f"note's count), " if "fp8" in case.extra else "")
+            return [f"paged_attention, {fp8}{case.extra['page_size']}-token shuffled pages; "
                     f"{native.describe()}"]
         if "dropout_p" in case.extra:
             return ["replayable dropout; err vs reference with its own keep mask"]
@@ -242,6 +278,8 @@ class Attnkit(Peer):
         kw = attnkit_kwargs(w, table)
         if "dropout_p" in c.extra:
             kw.update(dropout_p=float(c.extra["dropout_p"]), seed=c.seed)
+        if "fp8" in c.extra:
+            return _attnkit_fp8(w, kw)
 
         def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return attnkit.attention(q, k, v, **kw)
@@ -536,6 +574,7 @@ class AttnkitCompiled(_Compiled, Attnkit):
 
     name = "attnkit_compiled"
     label = "attnkit (compiled)"
+    FEATURES = Attnkit.FEATURES - {"fp8"}  # (fp8 runs outside the compiled graph)
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
         return ["torch.compile(fullgraph=True): the attnkit::attention op"]
