@@ -20,6 +20,11 @@ The score pipeline, in this order, for query i and key j (i' = i + diagonal offs
     s = -inf where the pair is not visible   (mask, mask_mod, BlockMask, causal, window, seqlens,
                                               starts_kv)
 
+fp8 inputs (float8_e4m3fn / e5m2 q, k, v with ``descale_q/k/v``) are dequantized here, per
+(batch, head), into the compute dtype (:func:`attnkit.fp8.dequantize_inputs`), so every term
+below and every executor applies to them unchanged; ``p_scale`` (fp8 softmax weights) is a
+feature, and ``out_dtype``/``out_scale`` are applied by the front door to the result.
+
 :meth:`AttentionSpec.features` names every term, option and requested output a call uses;
 each executor declares the features it supports (:mod:`attnkit.backends`), so a feature added
 here is refused by every executor until one says it runs it.
@@ -90,6 +95,7 @@ FEATURES = frozenset({
     "dropout_mask",        # a given keep mask
     "max_scores",          # the row maxima are requested
     "paged_kv",            # keys and values are read from pages through a block table
+    "fp8_kv",              # ... the pages are fp8, with per-(page, kv head) descales
     "p_scale",             # the softmax weights are quantized to fp8 before P V (cuDNN scale_s)
 })
 
@@ -298,7 +304,8 @@ class AttentionSpec:
                 ("dropout", self.dropout_mask is None and self.dropout_p > 0.0),
                 ("dropout_mask", self.dropout_mask is not None),
                 ("paged_kv", self.paged is not None),
-                ("p_scale", self.p_scale is not None)):
+                ("p_scale", self.p_scale is not None),
+                ("fp8_kv", self.paged is not None and self.paged.k_descale is not None)):
             if on:
                 f.add(name)
         return frozenset(f)

@@ -584,3 +584,20 @@ def test_bench_fp8_cases_run_attnkit_on_quantized_inputs(extra):
     big = catalog()["paged_decode_fp8" if decode else "causal_4k_fp8"]
     assert big.features() - {"fp8"} == catalog()[
         "paged_decode" if decode else "causal_4k"].features()
+
+
+def test_fp8_pages_are_a_feature_only_decode_declares():
+    """An executor that reads pages but not their descales must refuse fp8 pages."""
+    from attnkit import backends
+    from attnkit.ops import stand_ins
+    from attnkit.spec import PagedKV, build_spec
+
+    c8, _, ids = _fp8_cache(seed=28)
+    table, lens = c8.block_table(ids)
+    k, v = stand_ins(c8.k_pages, c8.v_pages, table, dtype=torch.float32)
+    spec = build_spec(torch.randn(3, 4, 1, CACHE_D), k, v, seqlens_kv=lens.long(),
+                      paged=PagedKV(c8.k_pages, c8.v_pages, table.long(), c8.k_descale,
+                                    c8.v_descale))
+    assert {"paged_kv", "fp8_kv"} <= spec.features()
+    why = backends.explain(spec)
+    assert why["decode"] == [] and any("fp8_kv" in r for r in why["triton"])

@@ -60,7 +60,7 @@ def test_features_name_what_the_call_uses(name):
 
 def test_every_feature_has_a_name_in_the_vocabulary():
     seen = set().union(*(w for _, w in CASES.values()))
-    seen |= {"max_scores", "paged_kv", "row_offset"}  # from the front doors
+    seen |= {"max_scores", "paged_kv", "fp8_kv", "row_offset"}  # from the front doors
     assert seen == set(FEATURES)
 
 

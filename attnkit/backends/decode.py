@@ -40,7 +40,7 @@ from .base import Capabilities, ForwardResult, Grads
 CAPS = Capabilities(
     name="decode",
     features=frozenset({"window", "seqlens_kv", "starts_kv", "alibi", "softcap", "sinks",
-                        "paged_kv", "segments", "row_offset"}),
+                        "paged_kv", "fp8_kv", "segments", "row_offset"}),
     dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
     max_query_rows=native.MAX_QUERY_ROWS,
