@@ -601,3 +601,24 @@ def test_fp8_pages_are_a_feature_only_decode_declares():
     assert {"paged_kv", "fp8_kv"} <= spec.features()
     why = backends.explain(spec)
     assert why["decode"] == [] and any("fp8_kv" in r for r in why["triton"])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantization_is_the_torch_cast_bit_for_bit(fmt, dtype):
+    """The kernel's one-pass x8 * descale (every byte value, NaN included, slabs whose length
+    is no multiple of 16) against torch's fp8 cast and float32 multiply."""
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    x = torch.arange(256, dtype=torch.uint8).repeat(6)[:3 * 2 * 9 * 28].view(fmt)
+    x = x.view(3, 2, 9, 28)
+    d = torch.tensor([[0.5, 3.0], [1e-3, 7.25], [1.0, 2.0 ** -20]])
+    got = native.fp8_dequantize(x, d, dtype)
+    want = (x.float() * d[..., None, None]).to(dtype)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.float().nan_to_num(0.0), want.float().nan_to_num(0.0))
+    scalar = native.fp8_dequantize(x, torch.tensor(0.75), dtype)
+    assert torch.equal(scalar.float().nan_to_num(0.0),
+                       (x.float() * 0.75).to(dtype).float().nan_to_num(0.0))

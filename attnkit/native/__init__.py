@@ -6,7 +6,9 @@ memory can deliver and a paged cache adds one call per page. ``decode.c`` reads 
 place, front to back, dots each key row with all the query rows of its kv head and keeps the
 online softmax in float32 (see the comment at its top). Long contexts with few sequences are
 split across threads by key range (flash-decoding) and the partial states merged by
-log-sum-exp with :func:`attnkit.merge.merge_states`.
+log-sum-exp with :func:`attnkit.merge.merge_states`. fp8 pages (e4m3 / e5m2, with per-(page,
+kv head) descales) are converted in registers; :func:`fp8_dequantize` is the same conversion
+as one pass over an fp8 q/k/v tensor (torch's fp8 casts run one element at a time).
 
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
 times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
@@ -49,8 +51,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "dense_decode", "philox_fill", "softcap_forward_", "softcap_backward", "pool_stats",
-           "MAX_QUERY_ROWS", "NativeKernelWarning"]
+           "dense_decode", "fp8_dequantize", "philox_fill", "softcap_forward_",
+           "softcap_backward", "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
@@ -234,6 +236,8 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, p, p, i64, p, p, p, i64, i64,
                                        i32, i32, i32, i32, i64, i32, i64, f32, p, p, p, i32]
         lib.attnkit_decode.restype = i32
+        lib.attnkit_fp8_dequantize.argtypes = [p, i64, i64, p, i32, i32, p, i32]
+        lib.attnkit_fp8_dequantize.restype = i32
         lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
                                        ctypes.c_uint32, p]
         lib.attnkit_philox.restype = None
@@ -461,6 +465,30 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
 
         o, l_ = merge_states(out, lse)
     return o, l_
+
+
+def fp8_dequantize(x: Tensor, descale: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+    """``x8 * descale`` for an fp8 tensor ``x (..., L, D)`` (contiguous, CPU) with one float32
+    descale per ``(..., )`` slab (``descale`` of shape ``x.shape[:-2]``, or 0-d), into float32
+    or bfloat16, in one vectorised pass (torch's fp8 casts run one element at a time). None
+    when the kernel is unavailable or the call does not qualify (the caller uses torch)."""
+    lib = _lib()
+    if (lib is None or x.dtype not in _FP8 or dtype not in (torch.float32, torch.bfloat16)
+            or x.device.type != "cpu" or not x.is_contiguous() or x.dim() < 2
+            or _state.get("info", {}).get("f16") is False):
+        return None
+    slabs = 1
+    for size in x.shape[:-2]:
+        slabs *= size
+    d = descale.detach().to(torch.float32)
+    d = (d.expand(x.shape[:-2]) if d.dim() == 0 else d).contiguous().reshape(-1)
+    if d.numel() != slabs:
+        return None
+    out = torch.empty(x.shape, dtype=dtype)
+    rc = lib.attnkit_fp8_dequantize(x.data_ptr(), slabs, x.shape[-1] * x.shape[-2],
+                                    d.data_ptr(), _FP8[x.dtype], int(dtype == torch.bfloat16),
+                                    out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float,

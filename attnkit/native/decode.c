@@ -671,3 +671,90 @@ int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *
      * leaves the counter past ntasks */
     return __atomic_load_n(&job.next, __ATOMIC_RELAXED) > job.ntasks ? 0 : 1;
 }
+
+/* ---- fp8 dequantization: x8 * descale into float32 or bfloat16, for fp8 q/k/v ----------
+ *
+ * src holds `slabs` slabs of `slab_len` fp8 bytes each (a (batch, head) block of a q/k/v
+ * tensor), slab s scaled by descale[s]. Each value is converted exactly (load16) and
+ * multiplied once in float32; bfloat16 output rounds that product to nearest even (NaN stays
+ * NaN), as torch's float32 -> bfloat16 cast does. */
+#define AK_DQ_BLOCK (1 << 14) /* elements a thread takes at a time */
+
+typedef struct {
+    const uint8_t *src;
+    int64_t slabs, slab_len, n;
+    const float *descale;
+    int fmt, out_bf16;
+    void *dst;
+    int64_t next;
+} ak_dq_job;
+
+AK_INLINE void dq_store(const ak_dq_job *p, int64_t i, ak_vf f, int64_t count) {
+    if (!p->out_bf16) {
+        memcpy((float *)p->dst + i, &f, (size_t)count * sizeof(float));
+        return;
+    }
+    ak_vu32 u;
+    memcpy(&u, &f, sizeof u);
+    const ak_vu32 nan = (ak_vu32)((u & 0x7fffffffu) > 0x7f800000u);
+    ak_vu32 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+    const ak_vu16 h = __builtin_convertvector(r, ak_vu16);
+    memcpy((uint16_t *)p->dst + i, &h, (size_t)count * sizeof(uint16_t));
+}
+
+static void dq_range(const ak_dq_job *p, int64_t a, int64_t e) {
+    const float unit = p->fmt == AK_E4M3 ? 256.0f : 1.0f;
+    while (a < e) {
+        const int64_t s = a / p->slab_len, slab_end = (s + 1) * p->slab_len;
+        const int64_t stop = slab_end < e ? slab_end : e;
+        const float f = unit * p->descale[s];
+        int64_t i = a;
+        for (; i + AK_W <= stop; i += AK_W) {
+            const ak_vf v = p->fmt == AK_E4M3 ? load16((const char *)p->src + i, AK_E4M3)
+                                               : load16((const char *)p->src + i, AK_E5M2);
+            dq_store(p, i, v * f, AK_W);
+        }
+        if (i < stop) { /* the slab's tail, through a zero-padded copy */
+            uint8_t tail[AK_W] = {0};
+            memcpy(tail, p->src + i, (size_t)(stop - i));
+            const ak_vf v = p->fmt == AK_E4M3 ? load16((const char *)tail, AK_E4M3)
+                                               : load16((const char *)tail, AK_E5M2);
+            dq_store(p, i, v * f, stop - i);
+        }
+        a = stop;
+    }
+}
+
+static void dq_worker(void *arg, int worker, int nworkers) {
+    ak_dq_job *p = (ak_dq_job *)arg;
+    (void)worker;
+    (void)nworkers;
+    for (;;) {
+        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * AK_DQ_BLOCK;
+        if (a >= p->n) return;
+        dq_range(p, a, a + AK_DQ_BLOCK < p->n ? a + AK_DQ_BLOCK : p->n);
+    }
+}
+
+/* Returns 0, or 2 (AK_BAD_ARGS, nothing written) for arguments it cannot run. */
+int attnkit_fp8_dequantize(const void *src, int64_t slabs, int64_t slab_len,
+                           const float *descale, int fmt, int out_bf16, void *dst,
+                           int nthreads) {
+#ifndef __FLT16_MAX__
+    return AK_BAD_ARGS;
+#endif
+    if (!src || !descale || !dst || slabs < 0 || slab_len < 0) return AK_BAD_ARGS;
+    if (fmt != AK_E4M3 && fmt != AK_E5M2) return AK_BAD_ARGS;
+    if (slab_len && slabs > INT64_MAX / slab_len) return AK_BAD_ARGS;
+    ak_dq_job job = {.src = (const uint8_t *)src, .slabs = slabs, .slab_len = slab_len,
+                     .n = slabs * slab_len, .descale = descale, .fmt = fmt,
+                     .out_bf16 = out_bf16 != 0, .dst = dst, .next = 0};
+    if (job.n == 0) return 0;
+    int64_t n = job.n / (4 * AK_DQ_BLOCK);
+    if (n > nthreads) n = nthreads;
+    if (n > AK_POOL_MAX) n = AK_POOL_MAX;
+    if (n < 1) n = 1;
+    ak_pool_run(dq_worker, &job, (int)n);
+    return 0;
+}
