@@ -32,7 +32,7 @@ from ..score_terms import ADDITIVE_TERMS, additive_tile, alibi_term, fold_sinks,
 from ..spec import AttentionSpec
 from . import tiled
 from .base import Capabilities, ForwardResult, Grads
-from .fused_schedule import BLOCK, FusedPlan, Piece, make_fused_plan  # noqa: F401 (BLOCK)
+from .fused_schedule import BLOCK, FusedPlan, Piece, Run, make_fused_plan  # noqa: F401 (BLOCK)
 
 CAPS = Capabilities(
     name="fused",
@@ -190,7 +190,16 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
     md = _mask_dtype(spec)
     out = lse = None
     started = set()
-    for piece in fplan.pieces:
+    for piece in fplan.kernel_calls():
+        if isinstance(piece, Run):
+            if out is None:
+                out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+                lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
+            o, l = _run_forward(spec, fplan, piece, inp, md)
+            _blocks(out, piece, piece.qlen).copy_(o)
+            _blocks(lse, piece, piece.qlen).copy_(l)
+            started.update((p.q0, p.q1) for p in piece.pieces)
+            continue
         qs = slice(piece.q0, piece.q1)
         kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
         mask = seen = None
@@ -222,6 +231,104 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
         out[:, :, a:b] = 0
         lse[:, :, a:b] = float("-inf")
     return _result(spec, out, lse)
+
+
+# ---- a run of pieces as one kernel call -----------------------------------------------------
+
+
+def _blocks(x: Tensor, run: Run, length: int, keys: bool = False, start: Optional[int] = None,
+            step: Optional[int] = None, count: Optional[int] = None) -> Tensor:
+    """``x`` (N, H, L[, D]) as a (count, N*H, length[, D]) strided view whose entry ``i``
+    holds rows ``[start + i * step, + length)`` (default: the run's query or key rows). The
+    batch and head dimensions merge into one (``x`` is made contiguous where they cannot)."""
+    first = run.pieces[0]
+    start = (first.keys[0] if keys else first.q0) if start is None else start
+    step = run.step if step is None else step
+    count = len(run.pieces) if count is None else count
+    n, h = x.shape[0], x.shape[1]
+    if x.stride(-1) != 1 or (n > 1 and h > 1 and x.stride(0) != h * x.stride(1)):
+        x = x.contiguous()
+    merged = x.stride(1) if n == 1 or h > 1 else x.stride(0)
+    row = x.stride(2)
+    size = (count, n * h, length) + tuple(x.shape[3:])
+    stride = (step * row, merged, row) + tuple(x.stride()[3:])
+    return x.as_strided(size, stride, x.storage_offset() + start * row)
+
+
+def _heads_merged(x: Tensor, spec: AttentionSpec) -> Tensor:
+    """(N|1, H|1, ...) as (1, N*H|1, ...) (expanded where it was per batch or per head)."""
+    if x.shape[0] == 1 and x.shape[1] == 1:
+        return x
+    full = x.expand(spec.n, spec.hq, *x.shape[2:])
+    return full.reshape(1, spec.n * spec.hq, *x.shape[2:])
+
+
+def _run_mask(spec: AttentionSpec, fplan: FusedPlan, run: Run, dtype: torch.dtype
+              ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The run's additive mask (count|1, N*H|1, qlen, klen) and the rows that see a key."""
+    if not run.pieces[0].masked:
+        return None, None
+    if run.shared_mask:
+        mask, seen = _piece_mask(spec, fplan, run.pieces[0], dtype)
+        return (None if mask is None else _heads_merged(mask, spec),
+                None if seen is None else _heads_merged(seen, spec))
+    masks, seens = zip(*(_piece_mask(spec, fplan, p, dtype) for p in run.pieces))
+    shape = (run.qlen, run.klen)
+    mask = torch.cat([_heads_merged(m, spec).expand(1, spec.n * spec.hq, *shape)
+                      if m is not None else
+                      torch.zeros(1, spec.n * spec.hq, *shape, dtype=dtype,
+                                  device=spec.q.device) for m in masks])
+    seen = None
+    if any(s is not None for s in seens):
+        seen = torch.cat([_heads_merged(s, spec).expand(1, spec.n * spec.hq, run.qlen)
+                          if s is not None else
+                          torch.ones(1, spec.n * spec.hq, run.qlen, dtype=torch.bool,
+                                     device=spec.q.device) for s in seens])
+    return mask, seen
+
+
+def _run_forward(spec: AttentionSpec, fplan: FusedPlan, run: Run, inp: _Inputs,
+                 md: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One kernel call for the run's pieces: (count, N*H, qlen, dv) output and LSE."""
+    mask, seen = _run_mask(spec, fplan, run, md)
+    count = len(run.pieces)
+    if mask is not None:
+        mask = mask.expand(count, *mask.shape[1:])
+    o, l = FWD_OP(_blocks(inp.q, run, run.qlen), _blocks(inp.k, run, run.klen, keys=True),
+                  _blocks(inp.v, run, run.klen, keys=True), 0.0, run.pieces[0].causal,
+                  attn_mask=mask, scale=spec.scale)
+    o, l = o[..., :spec.dv], l.to(spec.compute_dtype)
+    if seen is not None:
+        l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
+    return o, l
+
+
+def _run_backward(spec: AttentionSpec, fplan: FusedPlan, run: Run, inp: _Inputs,
+                  md: torch.dtype, saved: Tuple[Tensor, Tensor, Tensor],
+                  grads: Tuple[Tensor, Tensor, Tensor]) -> None:
+    """One backward kernel call for the run's pieces, accumulated into ``grads`` (dq, dk,
+    dv: contiguous). Overlapping key ranges are added in ``ceil(klen / step)`` interleaved
+    passes, each over disjoint rows."""
+    dout_p, out_p, lse_k = saved
+    dq, dk, dvv = grads
+    cd, count = spec.compute_dtype, len(run.pieces)
+    mask = _run_mask(spec, fplan, run, md)[0]
+    if mask is not None:
+        mask = mask.expand(count, *mask.shape[1:])
+    gq, gk, gv = BWD_OP(_blocks(dout_p, run, run.qlen), _blocks(inp.q, run, run.qlen),
+                        _blocks(inp.k, run, run.klen, keys=True),
+                        _blocks(inp.v, run, run.klen, keys=True), _blocks(out_p, run, run.qlen),
+                        _blocks(lse_k, run, run.qlen), 0.0, run.pieces[0].causal,
+                        attn_mask=mask, scale=spec.scale)
+    _blocks(dq, run, run.qlen).add_(gq.to(cd))
+    every = -(-run.klen // run.step)
+    k0 = run.pieces[0].keys[0]
+    for r in range(min(every, count)):
+        part = slice(r, None, every)
+        c = len(range(r, count, every))
+        for acc, g in ((dk, gk), (dvv, gv)):
+            _blocks(acc, run, run.klen, start=k0 + r * run.step, step=run.step * every,
+                    count=c).add_(g[part].to(cd))
 
 
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
@@ -297,7 +404,10 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
         dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
         dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
-    for piece in fplan.pieces:
+    for piece in fplan.kernel_calls():
+        if isinstance(piece, Run):
+            _run_backward(spec, fplan, piece, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
+            continue
         qs = slice(piece.q0, piece.q1)
         kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
         mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
