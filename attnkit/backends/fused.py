@@ -397,14 +397,21 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         out_p[..., -1] = 1.0
         dout_p[..., -1] = -dlse.to(dout_p.dtype)
     md = _mask_dtype(spec)
+    calls = fplan.kernel_calls()
     if fplan.whole:
         dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False,
                              scale=spec.scale)
+    elif len(calls) == 1 and _covers_all(spec, calls[0]):  # plain causal: no accumulators
+        piece = calls[0]
+        mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
+        dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, piece.causal,
+                             attn_mask=mask, scale=spec.scale)
+        calls = []
     else:
         dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
         dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
         dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
-    for piece in fplan.kernel_calls():
+    for piece in calls:
         if isinstance(piece, Run):
             _run_backward(spec, fplan, piece, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
             continue
@@ -428,6 +435,12 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         dsinks = _sink_grad(spec, out, lse_k.to(cd), dout, dlse)
     return Grads(dq=dq[..., :d], dk=dk[..., :d], dv=dvv[..., :dv_w], dbias=None,
                        dsinks=dsinks, dparams=())
+
+
+def _covers_all(spec: AttentionSpec, piece: object) -> bool:
+    """One piece on every query and every key (its gradients are the whole gradients)."""
+    return (isinstance(piece, Piece) and piece.q0 == 0 and piece.q1 == spec.lq
+            and piece.keys == (0, spec.lk))
 
 
 def _sink_grad(spec: AttentionSpec, out: Tensor, lse_k: Tensor, dout: Tensor,
