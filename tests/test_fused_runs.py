@@ -113,3 +113,49 @@ def test_group_runs_takes_only_equal_steps_of_one_geometry():
     assert isinstance(calls[0], Run) and band[-1] not in calls[0].pieces
     assert not calls[0].shared_mask
     assert group_runs(band[:2], True) == band[:2]
+
+
+def test_disjoint_keys_sees_any_shared_key_row():
+    from attnkit.backends.fused import _disjoint_keys
+
+    docs = [[_p(0, 300, 0, 300)], [_p(300, 700, 300, 700)], [_p(700, 800, 700, 800)]]
+    assert _disjoint_keys(None, docs)
+    # item 0 reads [0, 1000) in one piece; item 1's [500, 600) lies inside it, not next to it
+    nested = [[_p(0, 256, 0, 1000), _p(0, 256, 1200, 1300)], [_p(256, 512, 500, 600)]]
+    assert not _disjoint_keys(None, nested)
+    band = [[_p(q, q + 256, max(0, q - 256), q + 256)] for q in range(0, 1024, 256)]
+    assert not _disjoint_keys(None, band)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25])),
+                                dict(causal=True, segments=torch.repeat_interleave(
+                                    torch.arange(6), torch.tensor([100, 400, 50, 300, 250,
+                                                                   100])))],
+                         ids=["alibi-per-block", "documents"])
+def test_pieces_on_threads_match_one_thread_and_the_oracle(kw, monkeypatch):
+    """Per-block pieces (overlapping keys: chunked dk/dv) and documents (disjoint keys) on
+    two threads, each piece single-threaded: the oracle's numbers, and the same bits as one
+    thread forward (each piece is the same call either way)."""
+    from attnkit.backends import workers
+
+    q, k, v, do = _inputs(1, 2, 2, 1200)
+    seg = kw.pop("segments", None)
+    call_kw = dict(kw, **({} if seg is None else {"mask": attnkit.masks.document(seg)}))
+    widths = []
+    real = workers.for_each
+
+    def counting(items, fn, threads=None):
+        widths.append((len(items), threads))
+        return real(items, fn, threads=threads)
+
+    monkeypatch.setattr(workers, "for_each", counting)
+    monkeypatch.setattr(fused_schedule, "BLOCK", 128)
+    got = _grads(q, k, v, do, **call_kw)
+    assert any(t == 2 for _, t in widths), widths  # the pieces did go over two threads
+    ref_kw = dict(kw)
+    if seg is not None:
+        ref_kw["mask"] = (seg[:, None] == seg[None, :])
+    ref = attention_reference(q, k, v, **ref_kw)
+    want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -19,7 +19,7 @@ This is a private torch API, so it is used only behind a version check; where it
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from ..merge import merge_state
 from ..plan import ANALYTIC_TERMS, MASK_TERMS, Plan, range_visibility, tile_visibility
 from ..score_terms import ADDITIVE_TERMS, additive_tile, alibi_term, fold_sinks, safe_lse
 from ..spec import AttentionSpec
-from . import tiled
+from . import tiled, workers
 from .base import Capabilities, ForwardResult, Grads
 from .fused_schedule import BLOCK, FusedPlan, Piece, Run, make_fused_plan  # noqa: F401 (BLOCK)
 
@@ -188,45 +188,30 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
         out, lse = out[..., :dv], lse.to(cd)
         return _result(spec, out, lse)
     md = _mask_dtype(spec)
-    out = lse = None
+    calls = fplan.kernel_calls()
+    if len(calls) == 1 and isinstance(calls[0], Piece) and (calls[0].q0, calls[0].q1) == (0, lq):
+        out, lse = _piece_forward(spec, fplan, calls[0], inp, md)  # no copy
+        return _result(spec, out, lse)
+    out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+    lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
     started = set()
-    for piece in fplan.kernel_calls():
-        if isinstance(piece, Run):
-            if out is None:
-                out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-                lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
-            o, l = _run_forward(spec, fplan, piece, inp, md)
-            _blocks(out, piece, piece.qlen).copy_(o)
-            _blocks(lse, piece, piece.qlen).copy_(l)
-            started.update((p.q0, p.q1) for p in piece.pieces)
-            continue
-        qs = slice(piece.q0, piece.q1)
-        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
-        mask = seen = None
-        if piece.masked:
-            mask, seen = _piece_mask(spec, fplan, piece, md)
-        o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
-                      scale=spec.scale)
-        o, l = o[..., :dv], l.to(cd)
-        if seen is not None:
-            l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
-        if out is None and piece.q0 == 0 and piece.q1 == lq and len(fplan.pieces) == 1:
-            out, lse = o, l  # one piece covers everything: no copy
-            started.add((0, lq))
-            break
-        if out is None:
-            out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-            lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
-        if (piece.q0, piece.q1) in started:
-            o_m, l_m = merge_state(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
-            out[:, :, qs], lse[:, :, qs] = o_m, l_m
-        else:
-            started.add((piece.q0, piece.q1))
-            out[:, :, qs] = o
-            lse[:, :, qs] = l
-    if out is None:
-        out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-        lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
+    for run in (c for c in calls if isinstance(c, Run)):  # each one call on every thread
+        o, l = _run_forward(spec, fplan, run, inp, md)
+        _blocks(out, run, run.qlen).copy_(o)
+        _blocks(lse, run, run.qlen).copy_(l)
+        started.update((p.q0, p.q1) for p in run.pieces)
+    groups = _row_groups(calls)
+    started.update(groups)
+
+    def rows(key: Tuple[int, int]) -> None:  # one query range: its pieces merged in order
+        o = l = None
+        for piece in groups[key]:
+            o_p, l_p = _piece_forward(spec, fplan, piece, inp, md)
+            o, l = (o_p.to(cd), l_p) if o is None else merge_state(o, l, o_p.to(cd), l_p)
+        out[:, :, key[0]:key[1]] = o
+        lse[:, :, key[0]:key[1]] = l
+
+    workers.for_each(list(groups), rows, threads=_threads(spec, len(groups)))
     for a, b in _gaps(started, lq):  # rows that no piece touched see no key
         out[:, :, a:b] = 0
         lse[:, :, a:b] = float("-inf")
@@ -331,6 +316,60 @@ def _run_backward(spec: AttentionSpec, fplan: FusedPlan, run: Run, inp: _Inputs,
                     count=c).add_(g[part].to(cd))
 
 
+def _piece_forward(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, inp: _Inputs,
+                   md: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One piece's kernel call: its rows' output (N, Hq, rows, dv) and LSE."""
+    qs = slice(piece.q0, piece.q1)
+    kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+    mask = seen = None
+    if piece.masked:
+        mask, seen = _piece_mask(spec, fplan, piece, md)
+    o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
+                  scale=spec.scale)
+    o, l = o[..., :spec.dv], l.to(spec.compute_dtype)
+    if seen is not None:
+        l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
+    return o, l
+
+
+def _row_groups(calls: List[object]) -> Dict[Tuple[int, int], List[Piece]]:
+    """The pieces outside runs by query range, in schedule order (one work item each)."""
+    groups: Dict[Tuple[int, int], List[Piece]] = {}
+    for c in calls:
+        if isinstance(c, Piece):
+            groups.setdefault((c.q0, c.q1), []).append(c)
+    return groups
+
+
+def _disjoint_keys(fplan: FusedPlan, groups: List[List[Piece]]) -> bool:
+    """No key row is read by two work items (documents): their dk/dv rows are their own."""
+    spans = []
+    for pieces in groups:
+        rows = sorted(p.keys if p.keys is not None else fplan.plan.k_range(kb)
+                      for p in pieces for kb in ((None,) if p.keys is not None else p.kbs))
+        merged: List[List[int]] = []
+        for a, b in rows:  # one item's rows as disjoint intervals
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        spans.extend((a, b) for a, b in merged)
+    end = None
+    for a, b in sorted(spans):  # an interval starting before an earlier one ends: shared
+        if end is not None and a < end:
+            return False
+        end = b if end is None else max(end, b)
+    return True
+
+
+def _threads(spec: AttentionSpec, items: int) -> int:
+    """Threads for ``items`` work items (each then one kernel call on one thread): torch's
+    count when there are at least two items per thread, one while autograd records."""
+    if torch.is_grad_enabled():
+        return 1
+    return workers.threads_for(items // 2, spec.q.device)
+
+
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
     """Intervals of [0, length) covered by none of ``ranges``."""
     gaps, pos = [], 0
@@ -411,24 +450,47 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
         dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
         dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
-    for piece in calls:
-        if isinstance(piece, Run):
-            _run_backward(spec, fplan, piece, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
-            continue
-        qs = slice(piece.q0, piece.q1)
-        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
-        mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
-        gq, gk, gv = BWD_OP(dout_p[:, :, qs], inp.q[:, :, qs], kp, vp, out_p[:, :, qs],
-                            lse_k[:, :, qs], 0.0, piece.causal, attn_mask=mask,
-                            scale=spec.scale)
-        dq[:, :, qs] += gq.to(cd)
-        if piece.keys is not None:
-            dk[:, :, piece.keys[0]:piece.keys[1]] += gk.to(cd)
-            dvv[:, :, piece.keys[0]:piece.keys[1]] += gv.to(cd)
-        else:
-            idx = _key_index(fplan.plan, piece, spec.q.device)
-            dk.index_add_(2, idx, gk.to(cd))
-            dvv.index_add_(2, idx, gv.to(cd))
+    for run in (c for c in calls if isinstance(c, Run)):
+        _run_backward(spec, fplan, run, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
+    groups = list(_row_groups(calls).values())
+    threads = _threads(spec, len(groups))
+    # dq rows are each item's own; dk and dv rows are shared where items' keys overlap: then
+    # each chunk of items (chunk c: items c, c + C, ...) adds into its own pair, summed in
+    # chunk order (the same bits whichever thread ran which chunk)
+    chunks = 1
+    if threads > 1 and not _disjoint_keys(fplan, groups):
+        chunks = min(len(groups), threads if dk.numel() > 1 << 24 else 2 * threads)
+    pairs = [(dk, dvv)] + [(torch.zeros_like(dk), torch.zeros_like(dvv))
+                           for _ in range(chunks - 1)]
+
+    def item(pieces: List[Piece], acc: Tuple[Tensor, Tensor]) -> None:
+        for piece in pieces:
+            qs = slice(piece.q0, piece.q1)
+            kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+            mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
+            gq, gk, gv = BWD_OP(dout_p[:, :, qs], inp.q[:, :, qs], kp, vp, out_p[:, :, qs],
+                                lse_k[:, :, qs], 0.0, piece.causal, attn_mask=mask,
+                                scale=spec.scale)
+            dq[:, :, qs] += gq.to(cd)
+            if piece.keys is not None:
+                acc[0][:, :, piece.keys[0]:piece.keys[1]] += gk.to(cd)
+                acc[1][:, :, piece.keys[0]:piece.keys[1]] += gv.to(cd)
+            else:
+                idx = _key_index(fplan.plan, piece, spec.q.device)
+                acc[0].index_add_(2, idx, gk.to(cd))
+                acc[1].index_add_(2, idx, gv.to(cd))
+
+    if chunks == 1:
+        workers.for_each(groups, lambda pieces: item(pieces, pairs[0]), threads=threads)
+    else:
+        def chunk(c: int) -> None:
+            for i in range(c, len(groups), chunks):
+                item(groups[i], pairs[c])
+
+        workers.for_each(list(range(chunks)), chunk, threads=threads)
+        for dk_c, dv_c in pairs[1:]:
+            dk += dk_c
+            dvv += dv_c
     d = spec.q.shape[-1]
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
