@@ -681,3 +681,59 @@ def test_distributed_ranks_leave_ctrl_c_to_the_parent() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_contention_runs_busy_processes_and_stops_them() -> None:
+    """--contend's processes each burn CPU while entered and are gone after."""
+    from attnkit.bench.contend import Contention
+
+    with Contention(2) as c:
+        pids = [p.pid for p in c.procs]
+        assert len(pids) == 2 and c.running() == 2
+        before = [_cpu_ticks(pid) for pid in pids]
+        time.sleep(0.6)
+        after = [_cpu_ticks(pid) for pid in pids]
+    assert all(b > a for a, b in zip(before, after))  # each one spun
+    assert c.procs == [] and not any(os.path.exists(f"/proc/{pid}/stat") and
+                                     "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+                                     for pid in pids)
+    with pytest.raises(ValueError, match="busy processes"):
+        Contention(-1)
+
+
+def test_bench_contend_says_so_and_records_it(monkeypatch, tmp_path, capsys) -> None:
+    """``--contend 1``: one busy process during the cases (started after the matmul peaks),
+    named in the title, the line above the table and the JSON."""
+    from attnkit.bench import contend, runner
+    from attnkit.bench import report as rep
+
+    seen = []
+    real_start = contend.Contention.start
+
+    def start(self):
+        real_start(self)
+        seen.append(self.running())
+
+    monkeypatch.setattr(contend.Contention, "start", start)
+    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)
+    path = str(tmp_path / "c.json")
+    args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "attnkit", "--repeat", "1",
+                  "--no-memory", "--no-malloc-tune", "--min-sample-ms", "1", "--contend", "1",
+                  "--json", path)
+    assert run_from_args(args) == 0
+    out = capsys.readouterr().out
+    assert seen == [1]
+    assert "contended on purpose (--contend 1): 1 busy process(es)" in out
+    assert ", --contend 1" in out
+    doc = json.load(open(path))
+    assert rep.validate(doc) == []
+    assert doc["settings"]["contend"] == 1 and doc["contention"]["contend"] == 1
+    with pytest.raises(SystemExit):
+        _parse("--contend", "-1")

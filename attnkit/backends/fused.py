@@ -19,7 +19,7 @@ This is a private torch API, so it is used only behind a version check; where it
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,9 @@ from ..merge import merge_state
 from ..plan import ANALYTIC_TERMS, MASK_TERMS, Plan, range_visibility, tile_visibility
 from ..score_terms import ADDITIVE_TERMS, additive_tile, alibi_term, fold_sinks, safe_lse
 from ..spec import AttentionSpec
-from . import tiled
+from . import tiled, workers
 from .base import Capabilities, ForwardResult, Grads
-from .fused_schedule import BLOCK, FusedPlan, Piece, make_fused_plan  # noqa: F401 (BLOCK)
+from .fused_schedule import BLOCK, FusedPlan, Piece, Run, make_fused_plan  # noqa: F401 (BLOCK)
 
 CAPS = Capabilities(
     name="fused",
@@ -188,40 +188,186 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
         out, lse = out[..., :dv], lse.to(cd)
         return _result(spec, out, lse)
     md = _mask_dtype(spec)
-    out = lse = None
+    calls = fplan.kernel_calls()
+    if len(calls) == 1 and isinstance(calls[0], Piece) and (calls[0].q0, calls[0].q1) == (0, lq):
+        out, lse = _piece_forward(spec, fplan, calls[0], inp, md)  # no copy
+        return _result(spec, out, lse)
+    out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+    lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
     started = set()
-    for piece in fplan.pieces:
-        qs = slice(piece.q0, piece.q1)
-        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
-        mask = seen = None
-        if piece.masked:
-            mask, seen = _piece_mask(spec, fplan, piece, md)
-        o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
-                      scale=spec.scale)
-        o, l = o[..., :dv], l.to(cd)
-        if seen is not None:
-            l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
-        if out is None and piece.q0 == 0 and piece.q1 == lq and len(fplan.pieces) == 1:
-            out, lse = o, l  # one piece covers everything: no copy
-            started.add((0, lq))
-            break
-        if out is None:
-            out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-            lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
-        if (piece.q0, piece.q1) in started:
-            o_m, l_m = merge_state(out[:, :, qs], lse[:, :, qs], o.to(cd), l)
-            out[:, :, qs], lse[:, :, qs] = o_m, l_m
-        else:
-            started.add((piece.q0, piece.q1))
-            out[:, :, qs] = o
-            lse[:, :, qs] = l
-    if out is None:
-        out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
-        lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
+    for run in (c for c in calls if isinstance(c, Run)):  # each one call on every thread
+        o, l = _run_forward(spec, fplan, run, inp, md)
+        _blocks(out, run, run.qlen).copy_(o)
+        _blocks(lse, run, run.qlen).copy_(l)
+        started.update((p.q0, p.q1) for p in run.pieces)
+    groups = _row_groups(calls)
+    started.update(groups)
+
+    def rows(key: Tuple[int, int]) -> None:  # one query range: its pieces merged in order
+        o = l = None
+        for piece in groups[key]:
+            o_p, l_p = _piece_forward(spec, fplan, piece, inp, md)
+            o, l = (o_p.to(cd), l_p) if o is None else merge_state(o, l, o_p.to(cd), l_p)
+        out[:, :, key[0]:key[1]] = o
+        lse[:, :, key[0]:key[1]] = l
+
+    workers.for_each(list(groups), rows, threads=_threads(spec, len(groups)))
     for a, b in _gaps(started, lq):  # rows that no piece touched see no key
         out[:, :, a:b] = 0
         lse[:, :, a:b] = float("-inf")
     return _result(spec, out, lse)
+
+
+# ---- a run of pieces as one kernel call -----------------------------------------------------
+
+
+def _blocks(x: Tensor, run: Run, length: int, keys: bool = False, start: Optional[int] = None,
+            step: Optional[int] = None, count: Optional[int] = None) -> Tensor:
+    """``x`` (N, H, L[, D]) as a (count, N*H, length[, D]) strided view whose entry ``i``
+    holds rows ``[start + i * step, + length)`` (default: the run's query or key rows). The
+    batch and head dimensions merge into one (``x`` is made contiguous where they cannot)."""
+    first = run.pieces[0]
+    start = (first.keys[0] if keys else first.q0) if start is None else start
+    step = run.step if step is None else step
+    count = len(run.pieces) if count is None else count
+    n, h = x.shape[0], x.shape[1]
+    if x.stride(-1) != 1 or (n > 1 and h > 1 and x.stride(0) != h * x.stride(1)):
+        x = x.contiguous()
+    merged = x.stride(1) if n == 1 or h > 1 else x.stride(0)
+    row = x.stride(2)
+    size = (count, n * h, length) + tuple(x.shape[3:])
+    stride = (step * row, merged, row) + tuple(x.stride()[3:])
+    return x.as_strided(size, stride, x.storage_offset() + start * row)
+
+
+def _heads_merged(x: Tensor, spec: AttentionSpec) -> Tensor:
+    """(N|1, H|1, ...) as (1, N*H|1, ...) (expanded where it was per batch or per head)."""
+    if x.shape[0] == 1 and x.shape[1] == 1:
+        return x
+    full = x.expand(spec.n, spec.hq, *x.shape[2:])
+    return full.reshape(1, spec.n * spec.hq, *x.shape[2:])
+
+
+def _run_mask(spec: AttentionSpec, fplan: FusedPlan, run: Run, dtype: torch.dtype
+              ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The run's additive mask (count|1, N*H|1, qlen, klen) and the rows that see a key."""
+    if not run.pieces[0].masked:
+        return None, None
+    if run.shared_mask:
+        mask, seen = _piece_mask(spec, fplan, run.pieces[0], dtype)
+        return (None if mask is None else _heads_merged(mask, spec),
+                None if seen is None else _heads_merged(seen, spec))
+    masks, seens = zip(*(_piece_mask(spec, fplan, p, dtype) for p in run.pieces))
+    shape = (run.qlen, run.klen)
+    mask = torch.cat([_heads_merged(m, spec).expand(1, spec.n * spec.hq, *shape)
+                      if m is not None else
+                      torch.zeros(1, spec.n * spec.hq, *shape, dtype=dtype,
+                                  device=spec.q.device) for m in masks])
+    seen = None
+    if any(s is not None for s in seens):
+        seen = torch.cat([_heads_merged(s, spec).expand(1, spec.n * spec.hq, run.qlen)
+                          if s is not None else
+                          torch.ones(1, spec.n * spec.hq, run.qlen, dtype=torch.bool,
+                                     device=spec.q.device) for s in seens])
+    return mask, seen
+
+
+def _run_forward(spec: AttentionSpec, fplan: FusedPlan, run: Run, inp: _Inputs,
+                 md: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One kernel call for the run's pieces: (count, N*H, qlen, dv) output and LSE."""
+    mask, seen = _run_mask(spec, fplan, run, md)
+    count = len(run.pieces)
+    if mask is not None:
+        mask = mask.expand(count, *mask.shape[1:])
+    o, l = FWD_OP(_blocks(inp.q, run, run.qlen), _blocks(inp.k, run, run.klen, keys=True),
+                  _blocks(inp.v, run, run.klen, keys=True), 0.0, run.pieces[0].causal,
+                  attn_mask=mask, scale=spec.scale)
+    o, l = o[..., :spec.dv], l.to(spec.compute_dtype)
+    if seen is not None:
+        l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
+    return o, l
+
+
+def _run_backward(spec: AttentionSpec, fplan: FusedPlan, run: Run, inp: _Inputs,
+                  md: torch.dtype, saved: Tuple[Tensor, Tensor, Tensor],
+                  grads: Tuple[Tensor, Tensor, Tensor]) -> None:
+    """One backward kernel call for the run's pieces, accumulated into ``grads`` (dq, dk,
+    dv: contiguous). Overlapping key ranges are added in ``ceil(klen / step)`` interleaved
+    passes, each over disjoint rows."""
+    dout_p, out_p, lse_k = saved
+    dq, dk, dvv = grads
+    cd, count = spec.compute_dtype, len(run.pieces)
+    mask = _run_mask(spec, fplan, run, md)[0]
+    if mask is not None:
+        mask = mask.expand(count, *mask.shape[1:])
+    gq, gk, gv = BWD_OP(_blocks(dout_p, run, run.qlen), _blocks(inp.q, run, run.qlen),
+                        _blocks(inp.k, run, run.klen, keys=True),
+                        _blocks(inp.v, run, run.klen, keys=True), _blocks(out_p, run, run.qlen),
+                        _blocks(lse_k, run, run.qlen), 0.0, run.pieces[0].causal,
+                        attn_mask=mask, scale=spec.scale)
+    _blocks(dq, run, run.qlen).add_(gq.to(cd))
+    every = -(-run.klen // run.step)
+    k0 = run.pieces[0].keys[0]
+    for r in range(min(every, count)):
+        part = slice(r, None, every)
+        c = len(range(r, count, every))
+        for acc, g in ((dk, gk), (dvv, gv)):
+            _blocks(acc, run, run.klen, start=k0 + r * run.step, step=run.step * every,
+                    count=c).add_(g[part].to(cd))
+
+
+def _piece_forward(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, inp: _Inputs,
+                   md: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """One piece's kernel call: its rows' output (N, Hq, rows, dv) and LSE."""
+    qs = slice(piece.q0, piece.q1)
+    kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+    mask = seen = None
+    if piece.masked:
+        mask, seen = _piece_mask(spec, fplan, piece, md)
+    o, l = FWD_OP(inp.q[:, :, qs], kp, vp, 0.0, piece.causal, attn_mask=mask,
+                  scale=spec.scale)
+    o, l = o[..., :spec.dv], l.to(spec.compute_dtype)
+    if seen is not None:
+        l = torch.where(seen.expand_as(l), l, torch.full_like(l, float("-inf")))
+    return o, l
+
+
+def _row_groups(calls: List[object]) -> Dict[Tuple[int, int], List[Piece]]:
+    """The pieces outside runs by query range, in schedule order (one work item each)."""
+    groups: Dict[Tuple[int, int], List[Piece]] = {}
+    for c in calls:
+        if isinstance(c, Piece):
+            groups.setdefault((c.q0, c.q1), []).append(c)
+    return groups
+
+
+def _disjoint_keys(fplan: FusedPlan, groups: List[List[Piece]]) -> bool:
+    """No key row is read by two work items (documents): their dk/dv rows are their own."""
+    spans = []
+    for pieces in groups:
+        rows = sorted(p.keys if p.keys is not None else fplan.plan.k_range(kb)
+                      for p in pieces for kb in ((None,) if p.keys is not None else p.kbs))
+        merged: List[List[int]] = []
+        for a, b in rows:  # one item's rows as disjoint intervals
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        spans.extend((a, b) for a, b in merged)
+    end = None
+    for a, b in sorted(spans):  # an interval starting before an earlier one ends: shared
+        if end is not None and a < end:
+            return False
+        end = b if end is None else max(end, b)
+    return True
+
+
+def _threads(spec: AttentionSpec, items: int) -> int:
+    """Threads for ``items`` work items (each then one kernel call on one thread): torch's
+    count when there are at least two items per thread, one while autograd records."""
+    if torch.is_grad_enabled():
+        return 1
+    return workers.threads_for(items // 2, spec.q.device)
 
 
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
@@ -290,34 +436,73 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
         out_p[..., -1] = 1.0
         dout_p[..., -1] = -dlse.to(dout_p.dtype)
     md = _mask_dtype(spec)
+    calls = fplan.kernel_calls()
     if fplan.whole:
         dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, False,
                              scale=spec.scale)
+    elif len(calls) == 1 and _covers_all(spec, calls[0]):  # plain causal: no accumulators
+        piece = calls[0]
+        mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
+        dq, dk, dvv = BWD_OP(dout_p, inp.q, inp.k, inp.v, out_p, lse_k, 0.0, piece.causal,
+                             attn_mask=mask, scale=spec.scale)
+        calls = []
     else:
         dq = torch.zeros(inp.q.shape, dtype=cd, device=spec.q.device)
         dk = torch.zeros(inp.k.shape, dtype=cd, device=spec.q.device)
         dvv = torch.zeros(inp.v.shape, dtype=cd, device=spec.q.device)
-    for piece in fplan.pieces:
-        qs = slice(piece.q0, piece.q1)
-        kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
-        mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
-        gq, gk, gv = BWD_OP(dout_p[:, :, qs], inp.q[:, :, qs], kp, vp, out_p[:, :, qs],
-                            lse_k[:, :, qs], 0.0, piece.causal, attn_mask=mask,
-                            scale=spec.scale)
-        dq[:, :, qs] += gq.to(cd)
-        if piece.keys is not None:
-            dk[:, :, piece.keys[0]:piece.keys[1]] += gk.to(cd)
-            dvv[:, :, piece.keys[0]:piece.keys[1]] += gv.to(cd)
-        else:
-            idx = _key_index(fplan.plan, piece, spec.q.device)
-            dk.index_add_(2, idx, gk.to(cd))
-            dvv.index_add_(2, idx, gv.to(cd))
+    for run in (c for c in calls if isinstance(c, Run)):
+        _run_backward(spec, fplan, run, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
+    groups = list(_row_groups(calls).values())
+    threads = _threads(spec, len(groups))
+    # dq rows are each item's own; dk and dv rows are shared where items' keys overlap: then
+    # each chunk of items (chunk c: items c, c + C, ...) adds into its own pair, summed in
+    # chunk order (the same bits whichever thread ran which chunk)
+    chunks = 1
+    if threads > 1 and not _disjoint_keys(fplan, groups):
+        chunks = min(len(groups), threads if dk.numel() > 1 << 24 else 2 * threads)
+    pairs = [(dk, dvv)] + [(torch.zeros_like(dk), torch.zeros_like(dvv))
+                           for _ in range(chunks - 1)]
+
+    def item(pieces: List[Piece], acc: Tuple[Tensor, Tensor]) -> None:
+        for piece in pieces:
+            qs = slice(piece.q0, piece.q1)
+            kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
+            mask = _piece_mask(spec, fplan, piece, md)[0] if piece.masked else None
+            gq, gk, gv = BWD_OP(dout_p[:, :, qs], inp.q[:, :, qs], kp, vp, out_p[:, :, qs],
+                                lse_k[:, :, qs], 0.0, piece.causal, attn_mask=mask,
+                                scale=spec.scale)
+            dq[:, :, qs] += gq.to(cd)
+            if piece.keys is not None:
+                acc[0][:, :, piece.keys[0]:piece.keys[1]] += gk.to(cd)
+                acc[1][:, :, piece.keys[0]:piece.keys[1]] += gv.to(cd)
+            else:
+                idx = _key_index(fplan.plan, piece, spec.q.device)
+                acc[0].index_add_(2, idx, gk.to(cd))
+                acc[1].index_add_(2, idx, gv.to(cd))
+
+    if chunks == 1:
+        workers.for_each(groups, lambda pieces: item(pieces, pairs[0]), threads=threads)
+    else:
+        def chunk(c: int) -> None:
+            for i in range(c, len(groups), chunks):
+                item(groups[i], pairs[c])
+
+        workers.for_each(list(range(chunks)), chunk, threads=threads)
+        for dk_c, dv_c in pairs[1:]:
+            dk += dk_c
+            dvv += dv_c
     d = spec.q.shape[-1]
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
         dsinks = _sink_grad(spec, out, lse_k.to(cd), dout, dlse)
     return Grads(dq=dq[..., :d], dk=dk[..., :d], dv=dvv[..., :dv_w], dbias=None,
                        dsinks=dsinks, dparams=())
+
+
+def _covers_all(spec: AttentionSpec, piece: object) -> bool:
+    """One piece on every query and every key (its gradients are the whole gradients)."""
+    return (isinstance(piece, Piece) and piece.q0 == 0 and piece.q1 == spec.lq
+            and piece.keys == (0, spec.lk))
 
 
 def _sink_grad(spec: AttentionSpec, out: Tensor, lse_k: Tensor, dout: Tensor,

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -47,6 +47,31 @@ class Piece:
     causal: bool  # lone diagonal block: is_causal=True, no mask
 
 
+@dataclass
+class Run:
+    """Pieces of one geometry, one per query range: piece ``i`` has queries
+    ``[q0 + i * step, + qlen)`` and keys ``[k0 + i * step, + klen)`` (both contiguous). One
+    batched kernel call runs them; ``shared_mask``: the mask depends only on query-key
+    distances (the band, no additive term), so the first piece's mask serves every piece."""
+
+    pieces: List[Piece]
+    step: int
+    shared_mask: bool
+
+    @property
+    def qlen(self) -> int:
+        return self.pieces[0].q1 - self.pieces[0].q0
+
+    @property
+    def klen(self) -> int:
+        keys = self.pieces[0].keys
+        return 0 if keys is None else keys[1] - keys[0]
+
+
+#: Fewest pieces worth a batched call.
+MIN_RUN = 3
+
+
 @dataclass(frozen=True)
 class Row:
     """One padded batch row's true extent: queries [q0, q1) against keys [k0, k1)."""
@@ -64,6 +89,11 @@ class FusedPlan:
     whole: bool  # one call on the whole problem, no mask
     #: padded batches run row by row on their true extent: (b, Row, spec, plan)
     batches: Optional[List[Tuple[int, Row, AttentionSpec, FusedPlan]]] = None
+    #: the pieces as kernel calls: a Piece alone, or a Run of pieces batched into one call
+    calls: Optional[List[Union[Piece, Run]]] = None
+
+    def kernel_calls(self) -> List[Union[Piece, Run]]:
+        return self.calls if self.calls is not None else list(self.pieces)
 
 
 def _splittable(spec: AttentionSpec) -> bool:
@@ -142,7 +172,55 @@ def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
         if partial:
             causal = (len(partial) == 1 and _is_causal_diagonal(spec, plan, qb, partial[0]))
             pieces.append(_piece(plan, qb, partial, masked=not causal, causal=causal))
-    return FusedPlan(plan=plan, pieces=pieces, whole=False)
+    return FusedPlan(plan=plan, pieces=pieces, whole=False,
+                     calls=group_runs(pieces, _translation_invariant(spec, plan)))
+
+
+def _translation_invariant(spec: AttentionSpec, plan: Plan) -> bool:
+    """Visibility depends only on query-key distance (the band alone, one diagonal offset, no
+    additive term): pieces shifted by the same step on both sides have the same mask."""
+    return (set(plan.term_full) <= {"band"} and not has_additive_terms(spec)
+            and spec.row_offset is None and isinstance(spec.diag_offset(), int))
+
+
+def group_runs(pieces: Sequence[Piece], invariant: bool) -> List[Union[Piece, Run]]:
+    """Consecutive pieces of one geometry (same query and key lengths, flags, and the same
+    step on both sides, each the only piece of its query rows) as :class:`Run` s of at least
+    :data:`MIN_RUN` pieces; the others stay single calls."""
+    rows: dict = {}
+    for p in pieces:
+        rows[(p.q0, p.q1)] = rows.get((p.q0, p.q1), 0) + 1
+    calls: List[Union[Piece, Run]] = []
+    run: List[Piece] = []
+
+    def fits(prev: Piece, p: Piece, step: Optional[int]) -> bool:
+        if p.keys is None or prev.keys is None or rows[(p.q0, p.q1)] != 1:
+            return False
+        same = (p.q1 - p.q0 == prev.q1 - prev.q0 and p.keys[1] - p.keys[0]
+                == prev.keys[1] - prev.keys[0] and p.masked == prev.masked
+                and p.causal == prev.causal)
+        d = p.q0 - prev.q0
+        return same and d > 0 and p.keys[0] - prev.keys[0] == d and (step is None or d == step)
+
+    def flush() -> None:
+        if len(run) >= MIN_RUN:
+            calls.append(Run(pieces=list(run), step=run[1].q0 - run[0].q0,
+                             shared_mask=invariant))
+        else:
+            calls.extend(run)
+        run.clear()
+
+    for p in pieces:
+        if run and fits(run[-1], p, run[1].q0 - run[0].q0 if len(run) > 1 else None):
+            run.append(p)
+            continue
+        flush()
+        if p.keys is not None and rows[(p.q0, p.q1)] == 1:
+            run.append(p)
+        else:
+            calls.append(p)
+    flush()
+    return calls
 
 
 def _unmasked(spec: AttentionSpec) -> bool:

@@ -36,6 +36,7 @@ from ..score_terms import (
     softcap_grad,
 )
 from ..spec import AttentionSpec
+from . import workers
 from .base import Capabilities, ForwardResult, Grads
 
 CAPS = Capabilities(
@@ -131,7 +132,8 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
     lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
     mx = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
     neg_inf = float("-inf")
-    for qb in range(plan.nqb):
+
+    def query_tile(qb: int) -> None:
         q0, q1 = plan.q_range(qb)
         rows = t.g * (q1 - q0)
         kbs = plan.key_blocks(qb)
@@ -169,9 +171,23 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
         out[:, :, q0:q1] = o.view(n, hq, q1 - q0, dv)
         lse[:, :, q0:q1] = row_lse.view(n, hq, q1 - q0)
         mx[:, :, q0:q1] = m.view(n, hq, q1 - q0)
+
+    _each_query_tile(spec, plan, query_tile)
     if spec.p_scale is not None:
         out = _quantized_p_output(t, lse)
     return ForwardResult(out=out, lse=lse, max_scores=mx)
+
+
+def _each_query_tile(spec: AttentionSpec, plan: Plan, fn, threads: Optional[int] = None
+                     ) -> None:
+    """``fn(qb)`` for every query tile: spread over the cores, each tile single-threaded
+    (:func:`attnkit.backends.workers.for_each`), unless autograd records the ops (a
+    differentiable backward) or the tiles are too few to share."""
+    tiles = list(range(plan.nqb))
+    if threads is None:
+        threads = 1 if torch.is_grad_enabled() else workers.threads_for(
+            len(tiles) // 2, spec.q.device)
+    workers.for_each(tiles, fn, threads=threads)
 
 
 def _quantized_p_output(t: _Tiles, lse: Tensor) -> Tensor:
@@ -230,12 +246,26 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
         spec.bias is not None and spec.bias.requires_grad) else None
     params = spec.score_mod_params
     dparams: List[Optional[Tensor]] = [None] * len(params)
-    for qb in range(plan.nqb):
+    # dk and dv gather every query tile's share. Spread over threads, the tiles go in chunks
+    # (chunk c: tiles c, c + C, c + 2C ..., in that order), each chunk adding into its own
+    # pair (chunk 0 into dk, dvv), summed in chunk order at the end: the same bits whichever
+    # thread ran which chunk. dbias and score_mod parameters have one accumulator: serial.
+    threads = 1 if (dbias is not None or params or torch.is_grad_enabled()) else (
+        workers.threads_for(plan.nqb // 2, dev))
+    chunks = min(plan.nqb, 2 * threads) if threads > 1 else 1
+    pairs = [(dk, dvv)] + [(torch.zeros_like(dk), torch.zeros_like(dvv))
+                           for _ in range(chunks - 1)]
+
+    def chunk(c: int) -> None:
+        for qb in range(c, plan.nqb, chunks):
+            query_tile(qb, *pairs[c])
+
+    def query_tile(qb: int, dk: Tensor, dvv: Tensor) -> None:
         q0, q1 = plan.q_range(qb)
         rows = t.g * (q1 - q0)
         kbs = plan.key_blocks(qb)
         if not kbs:
-            continue
+            return
         qt = t.q_tile(q0, q1)
         do_t = t.rows(dout_c, q0, q1)
         lse_t = t.rows(lse_safe, q0, q1).unsqueeze(-1)
@@ -264,6 +294,11 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
             dq_acc += t.mm_out(ds, t.k[:, :, k0:k1])
             dk[:, :, k0:k1] += t.mm_out(ds.transpose(-1, -2), qt)
         dq[:, :, q0:q1] = (dq_acc * t.q_scale).view(n, hq, q1 - q0, -1)
+
+    workers.for_each(list(range(chunks)), chunk, threads=threads)
+    for dk_c, dv_c in pairs[1:]:
+        dk += dk_c
+        dvv += dv_c
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
         dsinks = sink_gradient(spec, lse_safe, delta)

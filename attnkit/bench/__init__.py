@@ -3,7 +3,7 @@ dense baseline, on the same inputs in the same run.
 
 Usage (``python -m attnkit.bench`` takes the same options)::
 
-    attnkit bench [--suite quick|standard|long|compile] [--dtype float32,bfloat16]
+    attnkit bench [--suite quick|standard|long|compile] [--dtype float32,bfloat16] [--contend N]
                   [--pass fwd,fwd+bwd] [--only NAME,...] [--peers NAME,...] [--json PATH]
                   [--plot PATH] [--repeat N]
                   [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS]
@@ -24,7 +24,9 @@ GFLOP/s, peak memory of the call (fresh child process; cases marked for it, or a
 schema is in :mod:`attnkit.bench.report`. When stdout is not a terminal (``| tee``, CI) one
 line per finished case is printed as the run goes, instead of the progress bar. When another
 process competes for the cores (:func:`attnkit.bench.runner.assess_load`) a line above the
-table says so, and the JSON's ``contention`` entry holds the measurements.
+table says so, and the JSON's ``contention`` entry holds the measurements. ``--contend N``
+starts N busy processes of its own for the duration of every case (:mod:`attnkit.bench.contend`),
+so the same table can be read on a machine made busy on purpose.
 
 Layout: ``cases`` (catalog as data), ``peers`` (one adapter per implementation),
 ``workloads`` (inputs, dense spell-outs), ``flops``, ``timing``, ``accuracy``, ``memory``,
@@ -83,6 +85,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def _number(minimum: float, strict: bool) -> Any:
     def parse(text: str) -> float:
         try:
@@ -138,6 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-malloc-tune", dest="tune_malloc", action="store_false",
                         help="leave glibc's malloc thresholds at their defaults (by default "
                              "they are fixed, which removes a slow-first-calls transient)")
+    parser.add_argument("--contend", type=_count, default=0, metavar="N",
+                        help="run N busy background processes (each one core of pure "
+                             "compute) during every case, to see which speed survives a busy "
+                             "machine (default 0: none; the matmul peaks are measured "
+                             "without them)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--distributed", action="store_true",
                         help="instead of a suite: ring attention on 2 local gloo ranks (1 thread "
@@ -218,7 +235,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         suite=args.suite, cases=cases, dtypes=dtypes, passes=passes, peers=peers,
         repeat=args.repeat, default_repeat=defaults["repeat"], memory=args.memory,
         mem_budget_gib=args.mem_budget_gib, min_sample_s=args.min_sample_ms / 1e3,
-        only=list(args.only or []), tune_malloc=getattr(args, "tune_malloc", True))
+        only=list(args.only or []), tune_malloc=getattr(args, "tune_malloc", True),
+        contend=getattr(args, "contend", 0))
     doc, results = _run_with_progress(settings)
     if args.json:
         from .report import write_json
@@ -312,7 +330,8 @@ def _run_with_progress(settings: Any) -> tuple:
     if settings.bandwidth:
         doc["bandwidth"] = settings.bandwidth
     title = (f"attnkit bench, suite {settings.suite}: {machine['cpu']}, "
-             f"{machine['threads']} threads, torch {machine['torch']}")
+             f"{machine['threads']} threads, torch {machine['torch']}"
+             + (f", --contend {settings.contend}" if settings.contend else ""))
     single = (settings.load or {}).get("matmul_float32_1_thread_gflops")
     caption = "\n".join([
         f"matmul 2048^3 this run: float32 {matmul['float32']:.0f} GFLOP/s"

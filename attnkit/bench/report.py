@@ -13,13 +13,15 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
       "settings": {"dtypes": [str], "passes": [str], "peers": [str], "repeat": int|null,
                    "default_repeat": int, "memory": "auto"|"all"|"off",
                    "mem_budget_gib": float, "min_sample_s": float, "only": [str],
-                   "malloc": {"mmap_threshold": int, "trim_threshold": int}|null},
+                   "malloc": {"mmap_threshold": int, "trim_threshold": int}|null,
+                   "contend": int},                  # --contend: busy processes started
       "contention": {                                # competing load (runner.assess_load)
           "cores": int|null, "threads": int, "load_avg_1m_before": float|null,
           "matmul_float32_1_thread_gflops": float|null, "matmul_float32_gflops": float|null,
           "thread_scaling": float|null,              # threads' matmul / one thread's
           "others_cpu_cores": float|null,            # other processes' CPU during the run
-          "contended": bool, "reasons": [str]        # the line above the table says so
+          "contended": bool, "reasons": [str],       # the line above the table says so
+          "contend": int                             # of which --contend started this many
       } | null,
       "cases": [ {name, batch, heads_q, heads_kv, len_q, len_kv, d_qk, d_v, causal, diagonal,
                   window, documents, prefix, alibi, softcap, relative_bias, extra, features,

@@ -23,6 +23,7 @@ import torch
 
 from .accuracy import Reference, errors, reference
 from .cases import Case
+from .contend import Contention
 from .flops import flops
 from .memory import measure_in_child
 from .peers import PEERS, SUBJECT, make_call
@@ -52,6 +53,7 @@ class Settings:
     malloc: Optional[Dict[str, int]] = None  # what tune_malloc() applied
     bandwidth: List[Dict[str, Any]] = field(default_factory=list)  # paged cases, see kv_bandwidth
     load: Optional[Dict[str, Any]] = None  # what run() measured of competing load (assess_load)
+    contend: int = 0  # busy background processes during the cases (--contend)
 
     def rounds(self, case: Case) -> int:
         """Timed rounds for ``case``."""
@@ -69,7 +71,7 @@ class Settings:
                 "repeat": self.repeat, "default_repeat": self.default_repeat,
                 "memory": self.memory, "mem_budget_gib": self.mem_budget_gib,
                 "min_sample_s": self.min_sample_s, "only": self.only,
-                "malloc": self.malloc}
+                "malloc": self.malloc, "contend": self.contend}
 
 
 # --------------------------------------------------------------------------- machine
@@ -231,7 +233,7 @@ cores torch leaves idle) means they competed with the timed runs."""
 
 def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float],
                 single_gflops: Optional[float], multi_gflops: Optional[float],
-                others_cores: Optional[float]) -> Dict[str, Any]:
+                others_cores: Optional[float], contend: int = 0) -> Dict[str, Any]:
     """The ``contention`` entry of the report: the measurements, ``contended`` and the reasons.
 
     Contended when (a) float32 matmul on ``threads`` threads ran below
@@ -240,7 +242,8 @@ def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float]
     of the ``threads`` cores during the run, or (c) only where (b) cannot be measured (no
     ``/proc``), the 1-minute load average before the run was at least the number of cores.
     The load average is otherwise only reported: it lags by a minute, so a job that ended just
-    before the run would raise it without competing.
+    before the run would raise it without competing. ``contend``: the busy processes the run
+    started itself (``--contend``); their CPU counts as competition like any other's.
     """
     reasons: List[str] = []
     scaling = None
@@ -259,11 +262,17 @@ def assess_load(*, cores: Optional[int], threads: int, load_avg: Optional[float]
     return {"cores": cores, "threads": threads, "load_avg_1m_before": load_avg,
             "matmul_float32_1_thread_gflops": single_gflops,
             "matmul_float32_gflops": multi_gflops, "thread_scaling": scaling,
-            "others_cpu_cores": others_cores, "contended": bool(reasons), "reasons": reasons}
+            "others_cpu_cores": others_cores, "contended": bool(reasons), "reasons": reasons,
+            "contend": contend}
 
 
 def contention_line(load: Optional[Dict[str, Any]]) -> Optional[str]:
     """The one line printed above the table when the run was contended, else None."""
+    if load and load.get("contend"):
+        others = "; other load: " + "; ".join(load["reasons"]) if load["reasons"] else ""
+        return (f"contended on purpose (--contend {load['contend']}): {load['contend']} busy "
+                f"process(es) ran during every case{others}. Compare the ratios with a quiet "
+                f"run's")
     if not load or not load.get("contended"):
         return None
     return ("warning: another process was competing for the cores: "
@@ -524,18 +533,19 @@ def run(settings: Settings, *, step: Optional[Step] = None,
     single = _single_thread_gflops()
     first_f32 = matmul["float32"]
     results: List[Result] = []
-    for case in settings.cases:
-        done = run_case(case, settings, matmul, step=step, advance=advance)
-        results.extend(done)
-        if case_done:
-            case_done(case, done)
+    with Contention(settings.contend):  # (the matmul peaks are measured without it)
+        for case in settings.cases:
+            done = run_case(case, settings, matmul, step=step, advance=advance)
+            results.extend(done)
+            if case_done:
+                case_done(case, done)
     if step:
         step("matmul peak again (the peak is the better of the two)")
     again = {name: matmul_gflops(dtype_of(name)) for name in names}
     settings.load = assess_load(cores=len(usable_cpus()), threads=torch.get_num_threads(),
                                 load_avg=load_avg, single_gflops=single,
                                 multi_gflops=first_f32, others_cores=others_cpu_cores(
-                                    start, cpu_sample()))
+                                    start, cpu_sample()), contend=settings.contend)
     if any(again[n] > matmul[n] for n in names):
         matmul = {n: max(matmul[n], again[n]) for n in names}
         for r in results:

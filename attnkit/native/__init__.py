@@ -45,7 +45,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -361,6 +361,19 @@ def _splits(batch: int, keys: int, threads: int) -> int:
     return max(1, min(want, keys // 1024))
 
 
+_INT_ARGS: Dict[Tuple[int, ...], Tensor] = {}
+
+
+def _int64_args(values: Tuple[int, ...]) -> Tensor:
+    """``values`` as a contiguous int64 CPU tensor the kernel reads (never writes), cached."""
+    t = _INT_ARGS.get(values)
+    if t is None:
+        if len(_INT_ARGS) > 256:  # shapes recur in decoding; do not grow without bound
+            _INT_ARGS.clear()
+        t = _INT_ARGS[values] = torch.tensor(values, dtype=torch.int64)
+    return t
+
+
 _BOUND = 2 ** 62  # window bounds clamp here: every key position and |i'| lie far below it
 
 
@@ -429,9 +442,12 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     bt = block_table.to(torch.int64).contiguous()
     lens = seqlens.to(torch.int64).contiguous()
     first = None if starts is None else starts.to(torch.int64).contiguous()
-    kst = torch.tensor(k_pages.stride()[:3], dtype=torch.int64)
-    vst = torch.tensor(v_pages.stride()[:3], dtype=torch.int64)
-    dims = torch.tensor([bsz, hq, hkv, lq, d, dv, page_size, num_pages], dtype=torch.int64)
+    # the kernel's integer arguments (K and V strides, dims) in one cached int64 tensor: the
+    # same shapes recur step after step in decoding
+    ints = _int64_args(tuple(k_pages.stride()[:3]) + tuple(v_pages.stride()[:3])
+                       + (bsz, hq, hkv, lq, d, dv, page_size, num_pages))
+    base = ints.data_ptr()
+    kst, vst, dims = base, base + 3 * 8, base + 6 * 8
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
@@ -442,9 +458,9 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     rc = lib.attnkit_decode(
         qf.data_ptr(), qh.data_ptr() if qh is not None else None, float(scale),
         k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if fp8 else None,
-        vd.data_ptr() if fp8 else None, kst.data_ptr(), vst.data_ptr(),
+        vd.data_ptr() if fp8 else None, kst, vst,
         bt.data_ptr(), width, lens.data_ptr(), first.data_ptr() if first is not None else None,
-        dims.data_ptr(), splits, per_split,
+        dims, splits, per_split,
         _FP8[k_pages.dtype] if fp8 else _DTYPES[k_pages.dtype], int(causal),
         int(diagonal == "bottom_right"),
         left is not None, _bound(left), right is not None, _bound(right),

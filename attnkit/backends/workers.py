@@ -1,0 +1,94 @@
+"""Independent work items spread over the cores, each item single-threaded.
+
+An executor that walks many small pieces (the tiled executor's query tiles) with torch ops
+runs one parallel region per op: every op's end waits for all of torch's threads, so when
+the OS deschedules one of them (another process wants the core) every op waits for it, and
+the call's time grows with the number of ops. :func:`for_each` instead hands whole items to
+``torch.get_num_threads()`` threads (the caller's and a persistent pool's), each running its
+items' ops on one thread (torch's thread count is per thread: setting it in a worker leaves
+the caller's alone) and taking the next item when it is done: a descheduled thread delays only
+its own item while the others go on. The workers run with the caller's grad and inference
+mode (both are per thread in torch).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, Optional, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_pools: Dict[int, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnkit")
+            _pools[workers] = pool
+        return pool
+
+
+def threads_for(items: int, device: torch.device) -> int:
+    """How many threads :func:`for_each` would use for ``items`` items on ``device``: torch's
+    thread count on CPU (at most one per item), 1 elsewhere, inside a worker, or when torch
+    is asked for deterministic algorithms (the workers' accumulators are summed in whichever
+    order they finish)."""
+    if (device.type != "cpu" or getattr(_local, "inside", False)
+            or torch.are_deterministic_algorithms_enabled()):
+        return 1
+    return max(1, min(torch.get_num_threads(), items))
+
+
+def for_each(items: Sequence[T], fn: Callable[[T], None], threads: Optional[int] = None
+             ) -> None:
+    """``fn(item)`` for every item, on ``threads`` threads (default :func:`threads_for` on
+    CPU), each running torch ops on one thread; items are taken in order as threads free up.
+    The first exception raised by ``fn`` is raised here once every thread has stopped."""
+    n = len(items)
+    threads = threads_for(n, torch.device("cpu")) if threads is None else max(1, threads)
+    if threads <= 1 or n <= 1:
+        for item in items:
+            fn(item)
+        return
+    nxt = iter(range(n))
+    take = threading.Lock()
+    failed = []
+    grad = torch.is_grad_enabled()  # thread-local state, as the caller has it
+    inference = torch.is_inference_mode_enabled()
+
+    def work() -> None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        _local.inside = True
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                _take_items()
+        finally:
+            _local.inside = False
+            torch.set_num_threads(before)
+
+    def _take_items() -> None:
+        while not failed:
+            with take:
+                i = next(nxt, None)
+            if i is None:
+                return
+            try:
+                fn(items[i])
+            except BaseException as err:  # noqa: BLE001 (re-raised by the caller)
+                failed.append(err)
+                return
+
+    futures = [_pool(threads - 1).submit(work) for _ in range(threads - 1)]
+    work()
+    for f in futures:
+        f.result()
+    if failed:
+        raise failed[0]

@@ -1,0 +1,119 @@
+"""Work items over the cores, each single-threaded (attnkit.backends.workers), and the tiled
+executor on them: the same numbers as one thread and as the float64 oracle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.backends import workers
+from attnkit.reference import attention_reference
+
+
+def test_for_each_runs_every_item_single_threaded_on_several_threads():
+    seen, idents = [], set()
+    lock = threading.Lock()
+    before = torch.get_num_threads()
+
+    def fn(i):
+        with lock:
+            seen.append((i, torch.get_num_threads(), torch.is_grad_enabled()))
+            idents.add(threading.get_ident())
+        time.sleep(0.005)  # long enough that every thread gets items
+
+    with torch.no_grad():
+        workers.for_each(list(range(40)), fn, threads=2)
+    assert sorted(i for i, _, _ in seen) == list(range(40))
+    assert all(t == 1 for _, t, _ in seen)  # each item on one thread
+    assert not any(g for _, _, g in seen)  # the caller's grad mode
+    assert torch.get_num_threads() == before  # the caller's thread count is its own again
+    assert threading.get_ident() in idents and len(idents) == 2  # the caller takes items too
+
+
+def test_for_each_raises_the_first_error_after_every_thread_stopped():
+    def fn(i):
+        if i == 3:
+            raise KeyError("item 3")
+
+    with pytest.raises(KeyError, match="item 3"):
+        workers.for_each(list(range(10)), fn, threads=2)
+
+
+def test_threads_for_stays_serial_where_it_must():
+    cpu = torch.device("cpu")
+    assert workers.threads_for(100, cpu) == torch.get_num_threads()
+    assert workers.threads_for(1, cpu) == 1
+    assert workers.threads_for(100, torch.device("meta")) == 1
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert workers.threads_for(100, cpu) == 1  # summation order would vary
+    finally:
+        torch.use_deterministic_algorithms(False)
+    inner = []
+    workers.for_each([0, 1], lambda i: inner.append(workers.threads_for(100, cpu)), threads=2)
+    assert inner == [1, 1]  # no nesting
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0),
+                                dict(causal=True, window=(40, 0), dropout_p=0.2, seed=3),
+                                dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))],
+                         ids=["softcap", "window-dropout", "alibi"])
+def test_tiled_on_two_threads_equals_one_thread_and_the_oracle(kw, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 300, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 300, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 300, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(2, 4, 300, 8, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(attnkit.plan, "TILE_ELEMENTS", 2048)  # many query tiles
+    used = []
+    real = workers.for_each
+
+    def counting(items, fn, threads=None):
+        used.append(threads)
+        return real(items, fn, threads=threads)
+
+    monkeypatch.setattr(workers, "for_each", counting)
+
+    def run(n):
+        monkeypatch.setattr(workers, "threads_for", lambda items, device: n)
+        out = attnkit.attention(q, k, v, backend="tiled", **kw)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    two, one = run(2), run(1)
+    assert used[:2] == [2, 2]  # the forward and the backward went wide
+    ref_kw = {key: val for key, val in kw.items() if key != "seed"}
+    if "dropout_p" not in kw:
+        ref = attention_reference(q, k, v, **ref_kw)
+        want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
+        for a, b in zip(two, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    for a, b in zip(two, one):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_learnable_bias_backward_stays_on_the_callers_thread(monkeypatch):
+    """dbias is one accumulator: that backward is not spread (and still right)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    bias = torch.randn(1, 2, 200, 200, generator=g, dtype=torch.float64, requires_grad=True)
+    monkeypatch.setattr(attnkit.plan, "TILE_ELEMENTS", 2048)
+    calls = []
+    real = workers.for_each
+
+    def spy(items, fn, threads=None):
+        calls.append(threads)
+        return real(items, fn, threads=threads)
+
+    monkeypatch.setattr(workers, "for_each", spy)
+    out = attnkit.attention(q, k, v, bias=bias, backend="tiled")
+    got = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    ref = attention_reference(q, k, v, bias=bias)
+    want = torch.autograd.grad(ref.sum(), (q, k, v, bias))
+    assert calls[1:] == [1] and calls[0] == torch.get_num_threads()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
