@@ -737,3 +737,11 @@ def test_bench_contend_says_so_and_records_it(monkeypatch, tmp_path, capsys) -> 
     assert doc["settings"]["contend"] == 1 and doc["contention"]["contend"] == 1
     with pytest.raises(SystemExit):
         _parse("--contend", "-1")
+
+
+def test_kv_bytes_counts_one_byte_per_element_for_an_fp8_cache() -> None:
+    from attnkit.bench.cases import CATALOG
+
+    fp8 = next(c for c in CATALOG if c.name == "paged_decode_fp8")
+    bf16 = next(c for c in CATALOG if c.name == "paged_decode")
+    assert kv_bytes(fp8, torch.bfloat16) * 2 == kv_bytes(bf16, torch.bfloat16)

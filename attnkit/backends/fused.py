@@ -44,7 +44,8 @@ CAPS = Capabilities(
                       "additive mask",
          "dropout": "torch's fused CPU kernel has no dropout",
          "dropout_mask": "torch's fused CPU kernel has no dropout",
-         "max_scores": "the kernel does not report row maxima"},
+         "max_scores": "the kernel does not report row maxima",
+         "p_scale": "the kernel never holds the softmax weights, so it cannot quantize them"},
 )
 
 

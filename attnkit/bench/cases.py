@@ -317,8 +317,8 @@ CATALOG: Tuple[Case, ...] = (
     Case("paged_decode_fp8", batch=8, heads_q=32, heads_kv=8, len_q=1, len_kv=8192, d_qk=128,
          causal=True, diagonal="bottom_right", suites=_S, passes=("fwd",),
          dtypes=("bfloat16",), extra={"page_size": 256, "fp8": "e4m3"},
-         note="paged_decode over an e4m3 cache (per-page scales, read in place); the GB/s "
-              "note counts 2 bytes per element: fp8 reads half"),
+         note="paged_decode over an e4m3 cache (per-page scales, read in place); GB/s "
+              "count the fp8 bytes (1 per element)"),
     Case("causal_4k_fp8", len_q=4096, causal=True, suites=_S, passes=("fwd",),
          dtypes=("bfloat16",), extra={"fp8": "e4m3"},
          note="causal_4k on e4m3 q/k/v (per-head descales); err is vs the unquantized "

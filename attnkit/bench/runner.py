@@ -136,8 +136,9 @@ def memcpy_gbps(mib: int = 512, reps: int = 5) -> float:
 
 def kv_bytes(case: Case, dtype: torch.dtype) -> int:
     """Bytes of K and V one decode call must read: ``B * Hkv * Lk * (d_qk + d_v) * elem``
-    (``2 * B * Hkv * L * d * elem`` when ``d_qk == d_v``)."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    (``2 * B * Hkv * L * d * elem`` when ``d_qk == d_v``; one byte per element for an fp8
+    cache, whatever the case's dtype)."""
+    elem = 1 if case.extra.get("fp8") else torch.empty((), dtype=dtype).element_size()
     return case.batch * case.hkv * case.lk * (case.d_qk + case.dv) * elem
 
 
