@@ -17,7 +17,7 @@ keys; the score tile is viewed as ``(N, Hq, bq, bk)`` to apply masks and score t
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -79,6 +79,17 @@ class _Tiles:
         """(N, Hq, Lq, ...) -> the tile's rows in grouped layout (N, Hkv, G * bq, ...)."""
         t = x[:, :, q0:q1]
         return t.reshape(self.n, self.hkv, self.g * (q1 - q0), *t.shape[3:])
+
+    def key_tiles(self, qb: int, kbs: List[int]
+                  ) -> Iterator[Tuple[int, int, int, Optional[Tensor]]]:
+        """Query tile ``qb``'s key tiles with a visible pair: ``(kb, k0, k1, visibility)``
+        (visibility None when every pair is visible)."""
+        for kb in kbs:
+            vis = tile_visibility(self.spec, self.plan, qb, kb)
+            if vis is not None and not bool(vis.any()):
+                continue
+            k0, k1 = self.plan.k_range(kb)
+            yield kb, k0, k1, vis
 
     @staticmethod
     def mm_out(a: Tensor, b: Tensor) -> Tensor:
@@ -142,11 +153,7 @@ def forward(spec: AttentionSpec, plan: Plan) -> ForwardResult:
         acc = torch.zeros((n, t.hkv, rows, dv), dtype=cd, device=spec.q.device)
         if kbs:
             qt = t.q_tile(q0, q1)
-        for kb in kbs:
-            vis = tile_visibility(spec, plan, qb, kb)
-            if vis is not None and not bool(vis.any()):
-                continue
-            k0, k1 = plan.k_range(kb)
+        for kb, k0, k1, vis in t.key_tiles(qb, kbs):
             s, _, _, own = t.scores(qt, kb, q0, q1, vis)
             s = s.reshape(n, t.hkv, rows, k1 - k0)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -197,19 +204,16 @@ def _quantized_p_output(t: _Tiles, lse: Tensor) -> Tensor:
     n, hq, dv = spec.n, spec.hq, spec.dv
     out = torch.zeros(n, hq, spec.lq, dv, dtype=cd, device=spec.q.device)
     lse_safe = safe_lse(lse)
-    for qb in range(plan.nqb):
+
+    def query_tile(qb: int) -> None:
         q0, q1 = plan.q_range(qb)
         kbs = plan.key_blocks(qb)
         if not kbs:
-            continue
+            return
         rows = t.g * (q1 - q0)
         qt = t.q_tile(q0, q1)
         acc = torch.zeros((n, t.hkv, rows, dv), dtype=cd, device=spec.q.device)
-        for kb in kbs:
-            vis = tile_visibility(spec, plan, qb, kb)
-            if vis is not None and not bool(vis.any()):
-                continue
-            k0, k1 = plan.k_range(kb)
+        for kb, k0, k1, vis in t.key_tiles(qb, kbs):
             s, _, _, _ = t.scores(qt, kb, q0, q1, vis)
             p = quantize_probabilities(torch.exp(s - lse_safe[:, :, q0:q1, None]),
                                        spec.p_scale)
@@ -218,6 +222,8 @@ def _quantized_p_output(t: _Tiles, lse: Tensor) -> Tensor:
                 p = p * drop
             acc += t.mm_out(p.reshape(n, t.hkv, rows, k1 - k0), t.v[:, :, k0:k1])
         out[:, :, q0:q1] = acc.view(n, hq, q1 - q0, dv)
+
+    _each_query_tile(spec, plan, query_tile)
     return out
 
 
@@ -271,11 +277,7 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
         lse_t = t.rows(lse_safe, q0, q1).unsqueeze(-1)
         delta_t = t.rows(delta, q0, q1).unsqueeze(-1)
         dq_acc = torch.zeros(qt.shape, dtype=cd, device=dev)
-        for kb in kbs:
-            vis = tile_visibility(spec, plan, qb, kb)
-            if vis is not None and not bool(vis.any()):
-                continue
-            k0, k1 = plan.k_range(kb)
+        for kb, k0, k1, vis in t.key_tiles(qb, kbs):
             s, raw, pre_mod, _ = t.scores(qt, kb, q0, q1, vis, keep=True)
             p = torch.exp(s.reshape(n, hkv, rows, k1 - k0) - lse_t)
             vt = t.v[:, :, k0:k1]
