@@ -3,6 +3,7 @@ executor on them: the same numbers as one thread and as the float64 oracle."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -117,3 +118,24 @@ def test_a_learnable_bias_backward_stays_on_the_callers_thread(monkeypatch):
     assert calls[1:] == [1] and calls[0] == torch.get_num_threads()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_its_own_threads():
+    """A pool made before fork has no threads in the child (a DataLoader worker): the child
+    makes its own instead of queueing work nobody runs."""
+    workers.for_each(list(range(8)), lambda i: time.sleep(0.001), threads=2)  # pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the work finished
+        code = 1
+        try:
+            done = []
+            t = threading.Thread(target=lambda: workers.for_each(
+                list(range(8)), lambda i: (time.sleep(0.05), done.append(i)), threads=2))
+            t.start()
+            t.join(20)
+            code = 0 if sorted(done) == list(range(8)) and not t.is_alive() else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -13,6 +13,7 @@ mode (both are per thread in torch).
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Sequence, TypeVar
@@ -22,17 +23,28 @@ import torch
 T = TypeVar("T")
 
 _pools: Dict[int, ThreadPoolExecutor] = {}
+_pools_pid = os.getpid()
 _lock = threading.Lock()
 _local = threading.local()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    """The persistent pool of ``workers`` threads of this process (a forked child, such as a
+    DataLoader worker, inherits the pools but not their threads: it makes its own)."""
+    global _pools_pid
     with _lock:
+        if _pools_pid != os.getpid():
+            _pools.clear()
+            _pools_pid = os.getpid()
         pool = _pools.get(workers)
         if pool is None:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnkit")
             _pools[workers] = pool
         return pool
+
+
+if hasattr(os, "register_at_fork"):  # the lock may have been held by a thread that is gone
+    os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
 
 
 def threads_for(items: int, device: torch.device) -> int:
