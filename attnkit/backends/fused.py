@@ -112,7 +112,14 @@ def _key_index(plan: Plan, piece: Piece, device: torch.device) -> Tensor:
 def _piece_mask(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torch.dtype
                 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """Additive mask (N|1, Hq|1, bq, keys) for one piece (None when nothing is masked), and
-    the rows that see some key (None when every row does)."""
+    the rows that see some key (None when every row does). Built on the calling thread alone
+    (a tile's few elementwise ops, each a parallel region otherwise)."""
+    with workers.one_thread():
+        return _piece_mask_tile(spec, fplan, piece, dtype)
+
+
+def _piece_mask_tile(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype: torch.dtype
+                     ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     plan = fplan.plan
     dev = spec.q.device
     j = (torch.arange(*piece.keys, device=dev) if piece.keys is not None
@@ -193,7 +200,12 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
     if len(calls) == 1 and isinstance(calls[0], Piece) and (calls[0].q0, calls[0].q1) == (0, lq):
         out, lse = _piece_forward(spec, fplan, calls[0], inp, md)  # no copy
         return _result(spec, out, lse)
-    out = torch.empty(n, hq, lq, dv, dtype=cd, device=spec.q.device)
+    groups = _row_groups(calls)
+    # rows whose pieces merge (or get sinks folded in) accumulate in the compute dtype; where
+    # every row has one piece the kernel's output is final, so it stays in the input dtype
+    # (two full-size conversions fewer for bfloat16)
+    merges = spec.sinks is not None or any(len(g) > 1 for g in groups.values())
+    out = torch.empty(n, hq, lq, dv, dtype=cd if merges else spec.q.dtype, device=spec.q.device)
     lse = torch.empty(n, hq, lq, dtype=cd, device=spec.q.device)
     started = set()
     for run in (c for c in calls if isinstance(c, Run)):  # each one call on every thread
@@ -201,14 +213,13 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
         _blocks(out, run, run.qlen).copy_(o)
         _blocks(lse, run, run.qlen).copy_(l)
         started.update((p.q0, p.q1) for p in run.pieces)
-    groups = _row_groups(calls)
     started.update(groups)
 
     def rows(key: Tuple[int, int]) -> None:  # one query range: its pieces merged in order
         o = l = None
         for piece in groups[key]:
             o_p, l_p = _piece_forward(spec, fplan, piece, inp, md)
-            o, l = (o_p.to(cd), l_p) if o is None else merge_state(o, l, o_p.to(cd), l_p)
+            o, l = (o_p, l_p) if o is None else merge_state(o.to(cd), l, o_p.to(cd), l_p)
         out[:, :, key[0]:key[1]] = o
         lse[:, :, key[0]:key[1]] = l
 

@@ -13,10 +13,11 @@ mode (both are per thread in torch).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Sequence, TypeVar
+from typing import Callable, Dict, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -45,6 +46,22 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 if hasattr(os, "register_at_fork"):  # the lock may have been held by a thread that is gone
     os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch ops on the calling thread alone inside the block (small elementwise work such as
+    a mask tile: split across threads it costs a parallel region each, which a busy machine
+    makes slow, for little work)."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def threads_for(items: int, device: torch.device) -> int:
