@@ -247,8 +247,8 @@ class Attnkit(Peer):
         if "page_size" in case.extra:
             from attnkit import native
 
-            fp8 = (f"{case.extra['fp8']} pages (per-page scales; K/V bytes are half the GB/s "
-                   f"note's count), " if "fp8" in case.extra else "")
+            fp8 = (f"{case.extra['fp8']} pages (per-page scales; the GB/s note counts 1 byte "
+                   f"per element), " if "fp8" in case.extra else "")
             return [f"paged_attention, {fp8}{case.extra['page_size']}-token shuffled pages; "
                     f"{native.describe()}"]
         if "dropout_p" in case.extra:
