@@ -79,6 +79,22 @@ def spy(monkeypatch, module, name):
 
 
 @pytest.fixture
+def for_each_threads(monkeypatch):
+    """The ``threads`` argument of every ``workers.for_each`` call, in order."""
+    from attnkit.backends import workers
+
+    seen = []
+    real = workers.for_each
+
+    def counting(items, fn, threads=None):
+        seen.append(threads)
+        return real(items, fn, threads=threads)
+
+    monkeypatch.setattr(workers, "for_each", counting)
+    return seen
+
+
+@pytest.fixture
 def small_tiles(monkeypatch):
     """Force many small tiles so the online softmax crosses tile boundaries."""
     monkeypatch.setattr(plan_module, "TILE_ELEMENTS", 64)

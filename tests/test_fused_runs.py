@@ -132,26 +132,17 @@ def test_disjoint_keys_sees_any_shared_key_row():
                                     torch.arange(6), torch.tensor([100, 400, 50, 300, 250,
                                                                    100])))],
                          ids=["alibi-per-block", "documents"])
-def test_pieces_on_threads_match_one_thread_and_the_oracle(kw, monkeypatch):
+def test_pieces_on_threads_match_one_thread_and_the_oracle(kw, monkeypatch, for_each_threads):
     """Per-block pieces (overlapping keys: chunked dk/dv) and documents (disjoint keys) on
     two threads, each piece single-threaded: the oracle's numbers, and the same bits as one
     thread forward (each piece is the same call either way)."""
-    from attnkit.backends import workers
 
     q, k, v, do = _inputs(1, 2, 2, 1200)
     seg = kw.pop("segments", None)
     call_kw = dict(kw, **({} if seg is None else {"mask": attnkit.masks.document(seg)}))
-    widths = []
-    real = workers.for_each
-
-    def counting(items, fn, threads=None):
-        widths.append((len(items), threads))
-        return real(items, fn, threads=threads)
-
-    monkeypatch.setattr(workers, "for_each", counting)
     monkeypatch.setattr(fused_schedule, "BLOCK", 128)
     got = _grads(q, k, v, do, **call_kw)
-    assert any(t == 2 for _, t in widths), widths  # the pieces did go over two threads
+    assert 2 in for_each_threads, for_each_threads  # the pieces did go over two threads
     ref_kw = dict(kw)
     if seg is not None:
         ref_kw["mask"] = (seg[:, None] == seg[None, :])
@@ -159,3 +150,16 @@ def test_pieces_on_threads_match_one_thread_and_the_oracle(kw, monkeypatch):
     want = (ref, *torch.autograd.grad(ref, (q, k, v), do))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_items_with_overlapping_rows_stay_on_one_thread():
+    """Two work items on overlapping query rows would write the same output and dq rows from
+    two threads: such a schedule runs on one thread (disjoint rows may spread)."""
+    from attnkit.backends.fused import _threads
+
+    q, k, v, _ = _inputs(1, 2, 2, 64)
+    spec = build_spec(q.detach(), k.detach(), v.detach())
+    with torch.no_grad():
+        assert _threads(spec, [(0, 256), (128, 384), (384, 512), (512, 640)]) == 1
+        assert _threads(spec, [(0, 128), (128, 256), (256, 384), (384, 512)]) == min(
+            2, torch.get_num_threads())

@@ -63,21 +63,14 @@ def test_threads_for_stays_serial_where_it_must():
                                 dict(causal=True, window=(40, 0), dropout_p=0.2, seed=3),
                                 dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))],
                          ids=["softcap", "window-dropout", "alibi"])
-def test_tiled_on_two_threads_equals_one_thread_and_the_oracle(kw, monkeypatch):
+def test_tiled_on_two_threads_equals_one_thread_and_the_oracle(kw, monkeypatch, for_each_threads):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 300, 16, generator=g, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 300, 16, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 300, 8, generator=g, dtype=torch.float64, requires_grad=True)
     do = torch.randn(2, 4, 300, 8, generator=g, dtype=torch.float64)
     monkeypatch.setattr(attnkit.plan, "TILE_ELEMENTS", 2048)  # many query tiles
-    used = []
-    real = workers.for_each
-
-    def counting(items, fn, threads=None):
-        used.append(threads)
-        return real(items, fn, threads=threads)
-
-    monkeypatch.setattr(workers, "for_each", counting)
+    used = for_each_threads
 
     def run(n):
         monkeypatch.setattr(workers, "threads_for", lambda items, device: n)
@@ -96,21 +89,14 @@ def test_tiled_on_two_threads_equals_one_thread_and_the_oracle(kw, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_a_learnable_bias_backward_stays_on_the_callers_thread(monkeypatch):
+def test_a_learnable_bias_backward_stays_on_the_callers_thread(monkeypatch, for_each_threads):
     """dbias is one accumulator: that backward is not spread (and still right)."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 200, 8, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     bias = torch.randn(1, 2, 200, 200, generator=g, dtype=torch.float64, requires_grad=True)
     monkeypatch.setattr(attnkit.plan, "TILE_ELEMENTS", 2048)
-    calls = []
-    real = workers.for_each
-
-    def spy(items, fn, threads=None):
-        calls.append(threads)
-        return real(items, fn, threads=threads)
-
-    monkeypatch.setattr(workers, "for_each", spy)
+    calls = for_each_threads
     out = attnkit.attention(q, k, v, bias=bias, backend="tiled")
     got = torch.autograd.grad(out.sum(), (q, k, v, bias))
     ref = attention_reference(q, k, v, bias=bias)

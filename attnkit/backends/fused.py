@@ -223,7 +223,7 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
         out[:, :, key[0]:key[1]] = o
         lse[:, :, key[0]:key[1]] = l
 
-    workers.for_each(list(groups), rows, threads=_threads(spec, len(groups)))
+    workers.for_each(list(groups), rows, threads=_threads(spec, list(groups)))
     for a, b in _gaps(started, lq):  # rows that no piece touched see no key
         out[:, :, a:b] = 0
         lse[:, :, a:b] = float("-inf")
@@ -353,9 +353,19 @@ def _row_groups(calls: List[object]) -> Dict[Tuple[int, int], List[Piece]]:
     return groups
 
 
+def _overlapping(intervals: List[Tuple[int, int]]) -> bool:
+    """Whether two of the half-open intervals share a point."""
+    end = None
+    for a, b in sorted(intervals):
+        if end is not None and a < end:
+            return True
+        end = b if end is None else max(end, b)
+    return False
+
+
 def _disjoint_keys(fplan: FusedPlan, groups: List[List[Piece]]) -> bool:
     """No key row is read by two work items (documents): their dk/dv rows are their own."""
-    spans = []
+    spans: List[Tuple[int, int]] = []
     for pieces in groups:
         rows = sorted(p.keys if p.keys is not None else fplan.plan.k_range(kb)
                       for p in pieces for kb in ((None,) if p.keys is not None else p.kbs))
@@ -366,20 +376,16 @@ def _disjoint_keys(fplan: FusedPlan, groups: List[List[Piece]]) -> bool:
             else:
                 merged.append([a, b])
         spans.extend((a, b) for a, b in merged)
-    end = None
-    for a, b in sorted(spans):  # an interval starting before an earlier one ends: shared
-        if end is not None and a < end:
-            return False
-        end = b if end is None else max(end, b)
-    return True
+    return not _overlapping(spans)
 
 
-def _threads(spec: AttentionSpec, items: int) -> int:
-    """Threads for ``items`` work items (each then one kernel call on one thread): torch's
-    count when there are at least two items per thread, one while autograd records."""
-    if torch.is_grad_enabled():
+def _threads(spec: AttentionSpec, rows: List[Tuple[int, int]]) -> int:
+    """Threads for work items on these query ranges (each then one kernel call on one
+    thread): :func:`workers.item_threads`, and one if two items' rows overlap (they would
+    write the same output and dq rows)."""
+    if _overlapping(rows):
         return 1
-    return workers.threads_for(items // 2, spec.q.device)
+    return workers.item_threads(len(rows), spec.q.device)
 
 
 def _gaps(ranges: set, length: int) -> List[Tuple[int, int]]:
@@ -465,17 +471,14 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
     for run in (c for c in calls if isinstance(c, Run)):
         _run_backward(spec, fplan, run, inp, md, (dout_p, out_p, lse_k), (dq, dk, dvv))
     groups = list(_row_groups(calls).values())
-    threads = _threads(spec, len(groups))
+    threads = _threads(spec, [(p[0].q0, p[0].q1) for p in groups])
     # dq rows are each item's own; dk and dv rows are shared where items' keys overlap: then
-    # each chunk of items (chunk c: items c, c + C, ...) adds into its own pair, summed in
-    # chunk order (the same bits whichever thread ran which chunk)
+    # the items go in chunks with their own accumulators (workers.for_each_into)
     chunks = 1
     if threads > 1 and not _disjoint_keys(fplan, groups):
         chunks = min(len(groups), threads if dk.numel() > 1 << 24 else 2 * threads)
-    pairs = [(dk, dvv)] + [(torch.zeros_like(dk), torch.zeros_like(dvv))
-                           for _ in range(chunks - 1)]
 
-    def item(pieces: List[Piece], acc: Tuple[Tensor, Tensor]) -> None:
+    def item(pieces: List[Piece], acc: Tuple[Tensor, ...]) -> None:
         for piece in pieces:
             qs = slice(piece.q0, piece.q1)
             kp, vp = inp.keys(fplan, piece, inp.k), inp.keys(fplan, piece, inp.v)
@@ -492,17 +495,7 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
                 acc[0].index_add_(2, idx, gk.to(cd))
                 acc[1].index_add_(2, idx, gv.to(cd))
 
-    if chunks == 1:
-        workers.for_each(groups, lambda pieces: item(pieces, pairs[0]), threads=threads)
-    else:
-        def chunk(c: int) -> None:
-            for i in range(c, len(groups), chunks):
-                item(groups[i], pairs[c])
-
-        workers.for_each(list(range(chunks)), chunk, threads=threads)
-        for dk_c, dv_c in pairs[1:]:
-            dk += dk_c
-            dvv += dv_c
+    workers.for_each_into(groups, item, (dk, dvv), threads, chunks)
     d = spec.q.shape[-1]
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:

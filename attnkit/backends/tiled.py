@@ -192,8 +192,7 @@ def _each_query_tile(spec: AttentionSpec, plan: Plan, fn, threads: Optional[int]
     differentiable backward) or the tiles are too few to share."""
     tiles = list(range(plan.nqb))
     if threads is None:
-        threads = 1 if torch.is_grad_enabled() else workers.threads_for(
-            len(tiles) // 2, spec.q.device)
+        threads = workers.item_threads(len(tiles), spec.q.device)
     workers.for_each(tiles, fn, threads=threads)
 
 
@@ -256,17 +255,11 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
     # (chunk c: tiles c, c + C, c + 2C ..., in that order), each chunk adding into its own
     # pair (chunk 0 into dk, dvv), summed in chunk order at the end: the same bits whichever
     # thread ran which chunk. dbias and score_mod parameters have one accumulator: serial.
-    threads = 1 if (dbias is not None or params or torch.is_grad_enabled()) else (
-        workers.threads_for(plan.nqb // 2, dev))
+    threads = 1 if (dbias is not None or params) else workers.item_threads(plan.nqb, dev)
     chunks = min(plan.nqb, 2 * threads) if threads > 1 else 1
-    pairs = [(dk, dvv)] + [(torch.zeros_like(dk), torch.zeros_like(dvv))
-                           for _ in range(chunks - 1)]
 
-    def chunk(c: int) -> None:
-        for qb in range(c, plan.nqb, chunks):
-            query_tile(qb, *pairs[c])
-
-    def query_tile(qb: int, dk: Tensor, dvv: Tensor) -> None:
+    def query_tile(qb: int, acc: Tuple[Tensor, ...]) -> None:
+        dk, dvv = acc
         q0, q1 = plan.q_range(qb)
         rows = t.g * (q1 - q0)
         kbs = plan.key_blocks(qb)
@@ -297,10 +290,7 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
             dk[:, :, k0:k1] += t.mm_out(ds.transpose(-1, -2), qt)
         dq[:, :, q0:q1] = (dq_acc * t.q_scale).view(n, hq, q1 - q0, -1)
 
-    workers.for_each(list(range(chunks)), chunk, threads=threads)
-    for dk_c, dv_c in pairs[1:]:
-        dk += dk_c
-        dvv += dv_c
+    workers.for_each_into(list(range(plan.nqb)), query_tile, (dk, dvv), threads, chunks)
     dsinks = None
     if spec.sinks is not None and spec.sinks.requires_grad:
         dsinks = sink_gradient(spec, lse_safe, delta)

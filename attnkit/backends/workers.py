@@ -17,9 +17,10 @@ import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterator, Optional, Sequence, TypeVar
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import torch
+from torch import Tensor
 
 T = TypeVar("T")
 
@@ -73,6 +74,37 @@ def threads_for(items: int, device: torch.device) -> int:
             or torch.are_deterministic_algorithms_enabled()):
         return 1
     return max(1, min(torch.get_num_threads(), items))
+
+
+def item_threads(items: int, device: torch.device) -> int:
+    """Threads for ``items`` work items of an executor: :func:`threads_for` with at least two
+    items per thread, one while autograd records the ops (a differentiable backward)."""
+    if torch.is_grad_enabled():
+        return 1
+    return threads_for(items // 2, device)
+
+
+def for_each_into(items: Sequence[T], fn: Callable[[T, Tuple[Tensor, ...]], None],
+                  acc: Tuple[Tensor, ...], threads: int, chunks: int) -> None:
+    """``fn(item, accumulators)`` for every item, where items add into shared accumulators
+    (a backward's dk and dv). With ``chunks`` > 1 the items go in chunks (chunk c: items c,
+    c + chunks, ..., in that order), each adding into its own zeroed copy of ``acc`` (chunk 0
+    into ``acc`` itself), summed into ``acc`` in chunk order at the end: the same bits
+    whichever thread ran which chunk. ``chunks == 1``: every item adds into ``acc`` directly
+    (for items that never touch the same elements, or one thread)."""
+    if chunks <= 1:
+        for_each(items, lambda item: fn(item, acc), threads=threads)
+        return
+    copies = [acc] + [tuple(torch.zeros_like(x) for x in acc) for _ in range(chunks - 1)]
+
+    def chunk(c: int) -> None:
+        for i in range(c, len(items), chunks):
+            fn(items[i], copies[c])
+
+    for_each(list(range(chunks)), chunk, threads=threads)
+    for copy in copies[1:]:
+        for total, part in zip(acc, copy):
+            total += part
 
 
 def for_each(items: Sequence[T], fn: Callable[[T], None], threads: Optional[int] = None
