@@ -516,8 +516,9 @@ def test_fp8_cache_errors():
 
 
 def test_fp8_kernel_refuses_missing_descales_itself():
-    """The C kernel checks its arguments before it runs: fp8 pages without descales, or bf16
-    query dot products over fp8 keys, are refused (return code 2), never read."""
+    """The C kernel checks its arguments before it runs: fp8 pages without descales, bf16
+    query dot products over fp8 keys, a query dtype it does not read, negative query strides
+    or key splits without an LSE to merge them by are refused (return code 2), never read."""
     import ctypes
 
     from attnkit import native
@@ -526,25 +527,29 @@ def test_fp8_kernel_refuses_missing_descales_itself():
         pytest.skip(native.unavailable_reason())
     lib = native._lib()
     q = torch.zeros(1, 16)
-    qh = torch.zeros(1, 16, dtype=torch.bfloat16)
     pages = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
     d = torch.ones(1, 1)
     st = torch.tensor([16, 16, 16], dtype=torch.int64)
     bt = torch.zeros(1, 1, dtype=torch.int64)
     lens = torch.ones(1, dtype=torch.int64)
-    dims = torch.tensor([1, 1, 1, 1, 16, 16, 1, 1], dtype=torch.int64)
-    out, lse = torch.zeros(1, 16), torch.zeros(1)
+    dims = torch.tensor([1, 1, 1, 1, 16, 16, 1, 1, 16, 16, 16], dtype=torch.int64)
+    bad_q = torch.tensor([1, 1, 1, 1, 16, 16, 1, 1, -16, 16, 16], dtype=torch.int64)
+    out, lse = torch.zeros(2, 16), torch.zeros(2)
 
-    def call(kd, vd, dtype=3, qh_ptr=None):
-        return lib.attnkit_decode(q.data_ptr(), qh_ptr, 1.0, pages.data_ptr(), pages.data_ptr(),
-                                  kd, vd, st.data_ptr(), st.data_ptr(), bt.data_ptr(), 1,
-                                  lens.data_ptr(), None, dims.data_ptr(), 1, 1, dtype, 0, 1, 0,
-                                  0, 0, 0, ctypes.c_float(0.0), None, out.data_ptr(),
-                                  lse.data_ptr(), 1)
+    def call(kd, vd, dtype=3, bf16_dot=0, q_dtype=0, dims=dims, splits=1, lse_ptr=-1):
+        return lib.attnkit_decode(q.data_ptr(), q_dtype, bf16_dot, 1.0, pages.data_ptr(),
+                                  pages.data_ptr(), kd, vd, st.data_ptr(), st.data_ptr(),
+                                  bt.data_ptr(), 1, lens.data_ptr(), None, dims.data_ptr(),
+                                  splits, 1, dtype, 0, 1, 0, 0, 0, 0, ctypes.c_float(0.0), None,
+                                  out.data_ptr(), lse.data_ptr() if lse_ptr else None, 1)
 
+    assert call(d.data_ptr(), d.data_ptr(), lse_ptr=None) == 0  # one split needs no LSE
     assert call(None, None) == 2
     assert call(d.data_ptr(), None) == 2
-    assert call(d.data_ptr(), d.data_ptr(), qh_ptr=qh.data_ptr()) == 2
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=1) == 2
+    assert call(d.data_ptr(), d.data_ptr(), q_dtype=3) == 2  # q is never fp8
+    assert call(d.data_ptr(), d.data_ptr(), dims=bad_q) == 2
+    assert call(d.data_ptr(), d.data_ptr(), splits=2, lse_ptr=None) == 2
     assert call(d.data_ptr(), d.data_ptr(), dtype=1) == 2  # descales on bf16 pages
     assert call(d.data_ptr(), d.data_ptr()) == 0
     assert call(None, None, dtype=5) == 2

@@ -51,13 +51,13 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
-           "dense_decode", "fp8_dequantize", "philox_fill", "softcap_forward_",
+           "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 7  # AK_ABI in decode.c
+_ABI = 8  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -233,8 +233,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         if lib.attnkit_native_abi() != _ABI:
             return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.attnkit_decode.argtypes = [p, p, f32, p, p, p, p, p, p, p, i64, p, p, p, i64, i64,
-                                       i32, i32, i32, i32, i64, i32, i64, f32, p, p, p, i32]
+        lib.attnkit_decode.argtypes = [p, i32, i32, f32, p, p, p, p, p, p, p, i64, p, p, p, i64,
+                                       i64, i32, i32, i32, i32, i64, i32, i64, f32, p, p, p,
+                                       i32]
         lib.attnkit_decode.restype = i32
         lib.attnkit_fp8_dequantize.argtypes = [p, i64, i64, p, i32, i32, p, i32]
         lib.attnkit_fp8_dequantize.restype = i32
@@ -374,6 +375,11 @@ def _int64_args(values: Tuple[int, ...]) -> Tensor:
     return t
 
 
+def _plain(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` as a contiguous tensor of ``dtype`` (itself when it already is one)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
 _BOUND = 2 ** 62  # window bounds clamp here: every key position and |i'| lie far below it
 
 
@@ -411,76 +417,114 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     score among the keys it sees gives NaN out and LSE; a row that sees no key (or only -inf
     scores) gives 0 and ``-inf``; keys a row does not see never reach it, whatever they hold.
     """
-    lib = _lib()
-    if lib is None:
+    if _lib() is None:
         raise NotImplementedError(f"native kernel unavailable: {_state['reason']}")
-    bsz, hq, lq, d = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
-    dv = v_pages.shape[3]
-    threads = torch.get_num_threads() if threads is None else max(1, int(threads))
-    width = block_table.shape[1]
-    keys = max(1, int(seqlens.max())) if bsz else 1  # the longest sequence
-    if splits is None:
-        splits = _splits(bsz, keys, threads)
-    splits = max(1, min(int(splits), keys))
-    per_split = -(-keys // splits)
-    if splits > 1:
-        per_split = -(-per_split // 64) * 64  # whole kernel chunks
-    splits = max(1, -(-keys // per_split))
-    qf = (q.to(torch.float32) * scale).contiguous()
-    # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale after)
-    qh = q.contiguous() if (q.dtype == torch.bfloat16 and k_pages.dtype == torch.bfloat16
-                            and d % 32 == 0 and _state["info"].get("bf16_dot")) else None
-    fp8 = k_pages.dtype in _FP8
-    if fp8 and (k_descale is None or v_descale is None):
-        raise ValueError("fp8 pages need k_descale and v_descale (num_pages, Hkv)")
-    kd = k_descale.to(torch.float32).contiguous() if fp8 else None
-    vd = v_descale.to(torch.float32).contiguous() if fp8 else None
-    if fp8 and (tuple(kd.shape) != (num_pages, hkv) or tuple(vd.shape) != (num_pages, hkv)):
-        raise ValueError(f"k_descale and v_descale must have shape ({num_pages}, {hkv}) "
-                         f"(num_pages, Hkv); got {tuple(kd.shape)} and {tuple(vd.shape)}")
-    bt = block_table.to(torch.int64).contiguous()
-    lens = seqlens.to(torch.int64).contiguous()
-    first = None if starts is None else starts.to(torch.int64).contiguous()
-    # the kernel's integer arguments (K and V strides, dims) in one cached int64 tensor: the
-    # same shapes recur step after step in decoding
-    ints = _int64_args(tuple(k_pages.stride()[:3]) + tuple(v_pages.stride()[:3])
-                       + (bsz, hq, hkv, lq, d, dv, page_size, num_pages))
-    base = ints.data_ptr()
-    kst, vst, dims = base, base + 3 * 8, base + 6 * 8
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
-        slopes = slopes.contiguous()
-    left, right = (None, None) if window is None else window
-    out = torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32)
-    lse = torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
-    rc = lib.attnkit_decode(
-        qf.data_ptr(), qh.data_ptr() if qh is not None else None, float(scale),
-        k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if fp8 else None,
-        vd.data_ptr() if fp8 else None, kst, vst,
-        bt.data_ptr(), width, lens.data_ptr(), first.data_ptr() if first is not None else None,
-        dims, splits, per_split,
-        _FP8[k_pages.dtype] if fp8 else _DTYPES[k_pages.dtype], int(causal),
-        int(diagonal == "bottom_right"),
-        left is not None, _bound(left), right is not None, _bound(right),
-        float(softcap) if softcap is not None else 0.0,
-        slopes.data_ptr() if slopes is not None else None, out.data_ptr(), lse.data_ptr(),
-        threads)
-    if rc == 2:
-        raise ValueError(
-            "native decode kernel refused its arguments (a page index outside [0, num_pages) "
-            "among the pages a sequence uses, a sequence longer than its block-table row, or "
-            "impossible dims); the callers' checks (attnkit.pages) explain such input")
-    if rc != 0:
-        raise MemoryError("native decode kernel could not allocate its scratch buffers")
-    if splits == 1:
-        o, l_ = out[0], lse[0]
-    else:
+    keys = max(1, int(seqlens.max())) if q.shape[0] else 1  # the longest sequence
+    call = DecodeCall(q, k_pages.dtype, scale=scale, causal=causal, diagonal=diagonal,
+                      window=window, softcap=softcap, splits=splits, threads=threads)
+    return call.run(q, k_pages, v_pages, block_table, seqlens, keys, starts=starts,
+                    alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
+
+
+class DecodeCall:
+    """What stays the same from one :func:`paged_decode` call to the next in a decoding loop,
+    worked out once: the query's dtype and head dim, the pages' dtype, the scale, the mask
+    and score terms, the threads. :meth:`run` takes the tensors; a decoding loop prepares one
+    and runs it every step (see :func:`attnkit.backends.decode.replay`)."""
+
+    __slots__ = ("lib", "scale", "splits", "threads", "bf16_dot", "fp8", "code", "flags",
+                 "softcap")
+
+    def __init__(self, q: Tensor, kv_dtype: torch.dtype, *, scale: float, causal: bool = True,
+                 diagonal: str = "bottom_right",
+                 window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                 softcap: Optional[float] = None, splits: Optional[int] = None,
+                 threads: Optional[int] = None) -> None:
+        self.lib = _lib()
+        if self.lib is None:
+            raise NotImplementedError(f"native kernel unavailable: {_state['reason']}")
+        self.threads = torch.get_num_threads() if threads is None else max(1, int(threads))
+        self.splits = None if splits is None else int(splits)
+        self.scale = float(scale)
+        # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale
+        # after)
+        self.bf16_dot = (q.dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
+                         and q.shape[-1] % 32 == 0 and bool(_state["info"].get("bf16_dot")))
+        self.fp8 = kv_dtype in _FP8
+        self.code = _FP8[kv_dtype] if self.fp8 else _DTYPES[kv_dtype]
+        left, right = (None, None) if window is None else window
+        self.flags = (int(causal), int(diagonal == "bottom_right"), left is not None,
+                      _bound(left), right is not None, _bound(right))
+        self.softcap = float(softcap) if softcap is not None else 0.0
+
+    def run(self, q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+            seqlens: Tensor, keys: int, *, starts: Optional[Tensor] = None,
+            alibi_slopes: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+            v_descale: Optional[Tensor] = None,
+            want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+        """``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, float32, for sequences of at most
+        ``keys`` keys (which sets the key splits; a longer one is refused: ValueError); lse
+        is None with ``want_lse=False`` (when the key splits do not need it either). See
+        :func:`paged_decode` for the rest."""
+        bsz, hq, lq, d = q.shape
+        num_pages, page_size, hkv, _ = k_pages.shape
+        dv = v_pages.shape[3]
+        keys = max(1, keys)
+        splits = _splits(bsz, keys, self.threads) if self.splits is None else self.splits
+        splits = max(1, min(splits, keys))
+        per_split = -(-keys // splits)
+        if splits > 1:
+            per_split = -(-per_split // 64) * 64  # whole kernel chunks
+        splits = max(1, -(-keys // per_split))
+        if q.stride(-1) != 1:
+            q = q.contiguous()  # (the kernel reads q in place, scaling and converting rows)
+        kd = vd = None
+        if self.fp8:
+            if k_descale is None or v_descale is None:
+                raise ValueError("fp8 pages need k_descale and v_descale (num_pages, Hkv)")
+            kd = _plain(k_descale.detach(), torch.float32)
+            vd = _plain(v_descale.detach(), torch.float32)
+            if tuple(kd.shape) != (num_pages, hkv) or tuple(vd.shape) != (num_pages, hkv):
+                raise ValueError(f"k_descale and v_descale must have shape ({num_pages}, "
+                                 f"{hkv}) (num_pages, Hkv); got {tuple(kd.shape)} and "
+                                 f"{tuple(vd.shape)}")
+        bt = _plain(block_table, torch.int64)
+        lens = _plain(seqlens, torch.int64)
+        first = None if starts is None else _plain(starts, torch.int64)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.detach().to(torch.float32).reshape(-1, hq).expand(bsz, hq)
+            slopes = slopes.contiguous()
+        # the kernel's integer arguments (K and V strides, dims, q's strides) in one cached
+        # int64 tensor: the same shapes recur from layer to layer and step to step in decoding
+        base = _int64_args(tuple(k_pages.stride()[:3]) + tuple(v_pages.stride()[:3])
+                           + (bsz, hq, hkv, lq, d, dv, page_size, num_pages)
+                           + tuple(q.stride()[:3])).data_ptr()
+        out = torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32)
+        lse = (torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
+               if want_lse or splits > 1 else None)
+        rc = self.lib.attnkit_decode(
+            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot), self.scale,
+            k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if kd is not None else None,
+            vd.data_ptr() if vd is not None else None, base, base + 3 * 8,
+            bt.data_ptr(), bt.shape[1], lens.data_ptr(),
+            first.data_ptr() if first is not None else None, base + 6 * 8, splits,
+            per_split, self.code, *self.flags, self.softcap,
+            slopes.data_ptr() if slopes is not None else None, out.data_ptr(),
+            lse.data_ptr() if lse is not None else None, self.threads)
+        if rc == 2:
+            raise ValueError(
+                "native decode kernel refused its arguments (a page index outside [0, "
+                "num_pages) among the pages a sequence uses, a sequence longer than its "
+                "block-table row or than the keys the call was given, or impossible dims); "
+                "the callers' checks (attnkit.pages) explain such input")
+        if rc != 0:
+            raise MemoryError("native decode kernel could not allocate its scratch buffers")
+        if splits == 1:
+            return out[0], None if lse is None else lse[0]
         from ..merge import merge_states
 
-        o, l_ = merge_states(out, lse)
-    return o, l_
+        return merge_states(out, lse)
 
 
 def fp8_dequantize(x: Tensor, descale: Tensor, dtype: torch.dtype) -> Optional[Tensor]:

@@ -30,7 +30,7 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 7
+#define AK_ABI 8
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
@@ -74,8 +74,10 @@ AK_INLINE ak_vf half_to_float(ak_vu16 h) {
 }
 
 typedef struct {
-    const float *q;            /* (B, Hq, Lq, D) float32 contiguous, already scaled */
-    const uint16_t *qh;        /* NULL, or q unscaled in bfloat16 for the bf16 dot products */
+    const char *q;             /* (B, Hq, Lq, D), unscaled, in q_dtype */
+    int q_dtype;               /* q's dtype: AK_F32, AK_BF16 or AK_F16 */
+    int64_t qs_b, qs_h, qs_i;  /* q's element strides (B, Hq, Lq); its last dim unit stride */
+    int bf16_dot;              /* bfloat16 q and keys: vdpbf16ps dot products (D % 32 == 0) */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
     const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
@@ -160,6 +162,31 @@ AK_INLINE float hsum(ak_vf v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* out[g * os] = the sum of a_g's lanes, g < 4: the four horizontal sums together (halves of
+ * (a0, a1) and of (a2, a3), then quarters, each 4-lane group then holding one row, then
+ * within each group), in about the instructions of one and a half */
+AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t os) {
+    const ak_vf u = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                            21, 22, 23)
+                    + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                              27, 28, 29, 30, 31);
+    const ak_vf w = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                            21, 22, 23)
+                    + __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                              27, 28, 29, 30, 31);
+    /* u: row 0 in lanes 0-7, row 1 in 8-15 (w: rows 2, 3) -> x: row g in lanes 4g..4g+3 */
+    ak_vf x = __builtin_shufflevector(u, w, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                      26, 27)
+              + __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                        29, 30, 31);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = x[0];
+    out[os] = x[4];
+    out[2 * os] = x[8];
+    out[3 * os] = x[12];
+}
+
 /* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (accumulators in registers) */
 AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
                       int64_t os) {
@@ -177,10 +204,7 @@ AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float
         a2 += q2 * kb;
         a3 += q3 * kb;
     }
-    out[0] = hsum(a0);
-    out[os] = hsum(a1);
-    out[2 * os] = hsum(a2);
-    out[3 * os] = hsum(a3);
+    hsum4(a0, a1, a2, a3, out, os);
 }
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
@@ -267,13 +291,33 @@ AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const f
         memcpy(&a1, acc + Dv + d, sizeof a1);
         memcpy(&a2, acc + 2 * Dv + d, sizeof a2);
         memcpy(&a3, acc + 3 * Dv + d, sizeof a3);
-        for (int64_t t = 0; t < n; ++t) {
-            const ak_vf vb = load16(v + t * vstride + d * esz, dtype);
-            a0 += p[t] * vb;
-            a1 += p[ps + t] * vb;
-            a2 += p[2 * ps + t] * vb;
-            a3 += p[3 * ps + t] * vb;
+        /* two tokens a step into separate sums: each sum's chain of dependent multiply-adds
+         * is half as long (their latency, not the throughput, bounded this loop) */
+        ak_vf b0 = ak_splat(0.0f), b1 = b0, b2 = b0, b3 = b0;
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+            const ak_vf va = load16(v + t * vstride + d * esz, dtype);
+            const ak_vf vb = load16(v + (t + 1) * vstride + d * esz, dtype);
+            a0 += p[t] * va;
+            a1 += p[ps + t] * va;
+            a2 += p[2 * ps + t] * va;
+            a3 += p[3 * ps + t] * va;
+            b0 += p[t + 1] * vb;
+            b1 += p[ps + t + 1] * vb;
+            b2 += p[2 * ps + t + 1] * vb;
+            b3 += p[3 * ps + t + 1] * vb;
         }
+        if (t < n) {
+            const ak_vf va = load16(v + t * vstride + d * esz, dtype);
+            a0 += p[t] * va;
+            a1 += p[ps + t] * va;
+            a2 += p[2 * ps + t] * va;
+            a3 += p[3 * ps + t] * va;
+        }
+        a0 += b0;
+        a1 += b1;
+        a2 += b2;
+        a3 += b3;
         memcpy(acc + d, &a0, sizeof a0);
         memcpy(acc + Dv + d, &a1, sizeof a1);
         memcpy(acc + 2 * Dv + d, &a2, sizeof a2);
@@ -313,8 +357,8 @@ AK_INLINE void pv_head_t(const char *v, int64_t vstride, int64_t n, int dtype, c
     for (; r < rows; ++r) pv1(v, vstride, n, dtype, p + r * ps, Dv, acc + r * Dv);
 }
 
-static void score_head(const char *k, int dtype, const float *q, const uint16_t *qh,
-                       float scale, int64_t D, int64_t rows, float *out, int64_t os) {
+AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16_t *qh,
+                          float scale, int64_t D, int64_t rows, float *out, int64_t os) {
 #ifdef AK_DPBF16
     if (qh != NULL) { /* bfloat16 with D % 32 == 0 (checked by the caller) */
         const uint16_t *kk = (const uint16_t *)k;
@@ -371,40 +415,112 @@ static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1,
     else pv1(v, vstride, t1 - t0, AK_F32, p, Dv, acc);
 }
 
+/* the largest lane, in a tree of four steps (v holds no NaN: NaN scores never enter the
+ * running maxima it is called on) */
 AK_INLINE float hmax(ak_vf v) {
-    float m = v[0];
-    for (int i = 1; i < AK_W; ++i) m = v[i] > m ? v[i] : m;
-    return m;
+    ak_vf w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
+                                      7);
+    v = ak_select(w > v, w, v);
+    w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = ak_select(w > v, w, v);
+    w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = ak_select(w > v, w, v);
+    w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    v = ak_select(w > v, w, v);
+    return v[0];
 }
 
-/* sc[r * AK_CHUNK + t] *= unit * descale[h] for the rows r of each kv head h, t < n */
+/* sc[r * AK_CHUNK + t] *= unit * descale[h] for the rows r of each kv head h, t0 <= t < t1 */
 static void scale_rows(float *sc, const float *descale, float unit, int64_t Hkv,
-                       int64_t rows_per_head, int64_t n) {
+                       int64_t rows_per_head, int64_t t0, int64_t t1) {
     for (int64_t h = 0; h < Hkv; ++h) {
         const float f = unit * descale[h];
         float *row = sc + h * rows_per_head * AK_CHUNK;
         for (int64_t r = 0; r < rows_per_head; ++r, row += AK_CHUNK)
-            for (int64_t t = 0; t < n; ++t) row[t] *= f;
+            for (int64_t t = t0; t < t1; ++t) row[t] *= f;
     }
 }
 
 /* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
 typedef struct {
-    float *acc, *sc, *m, *l, *slope;
+    float *acc, *sc, *m, *l, *slope, *q;
+    uint16_t *qh;
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
 
-/* the chunk of keys starting at c0: up to AK_CHUNK tokens, never past a page or k1 */
-AK_INLINE int64_t chunk_end(int64_t c0, int64_t base, int64_t P, int64_t k1) {
-    int64_t c1 = c0 + AK_CHUNK;
-    const int64_t page_end = ((base + c0) / P + 1) * P - base;
-    if (c1 > page_end) c1 = page_end;
-    return c1 > k1 ? k1 : c1;
+/* One page's part of a chunk: chunk columns [t, t + len) are tokens of `page`, from its
+ * token `first` on. A chunk (up to AK_CHUNK keys) spans as many pages as it needs, so small
+ * pages cost no more softmax passes than large ones. */
+typedef struct {
+    int64_t t, len, page, first;
+} ak_seg;
+
+/* the segments of chunk [c0, c1) of sequence b (its keys from block-table position base);
+ * returns their number (at most AK_CHUNK) */
+AK_INLINE int64_t chunk_segments(const ak_job *job, int64_t b, int64_t base, int64_t c0,
+                                 int64_t c1, ak_seg *seg) {
+    const int64_t P = job->P;
+    int64_t count = 0;
+    for (int64_t t = 0; t < c1 - c0;) {
+        const int64_t pos = base + c0 + t, first = pos % P;
+        int64_t len = P - first;
+        if (len > c1 - c0 - t) len = c1 - c0 - t;
+        seg[count++] = (ak_seg){t, len, job->bt[b * job->bt_cols + pos / P], first};
+        t += len;
+    }
+    return count;
+}
+
+/* scores of `len` key rows (token stride ks, kv head stride kh, in elements) for every kv
+ * head's rows, into sc columns from t (dtype a constant where this is inlined) */
+AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
+                              const ak_job *job, const float *qb, const uint16_t *qhb,
+                              int64_t rows_per_head, float *sc) {
+    const int esz = AK_ESZ(dtype);
+    const int64_t D = job->D;
+    for (int64_t tt = 0; tt < len; ++tt)
+        for (int64_t h = 0; h < job->Hkv; ++h)
+            score_head(k + (tt * ks + h * kh) * esz, dtype, qb + h * rows_per_head * D,
+                       qhb ? qhb + h * rows_per_head * D : NULL, job->scale, D, rows_per_head,
+                       sc + h * rows_per_head * AK_CHUNK + tt, AK_CHUNK);
+}
+
+static void score_tokens(const char *k, int64_t len, const ak_job *job, const float *qb,
+                         const uint16_t *qhb, int64_t rows_per_head, float *sc) {
+    const int64_t ks = job->ks_tok, kh = job->ks_head;
+    switch (job->dtype) {
+    case AK_BF16: score_tokens_t(k, ks, kh, len, AK_BF16, job, qb, qhb, rows_per_head, sc); break;
+    case AK_F16: score_tokens_t(k, ks, kh, len, AK_F16, job, qb, qhb, rows_per_head, sc); break;
+    case AK_E4M3: score_tokens_t(k, ks, kh, len, AK_E4M3, job, qb, qhb, rows_per_head, sc); break;
+    case AK_E5M2: score_tokens_t(k, ks, kh, len, AK_E5M2, job, qb, qhb, rows_per_head, sc); break;
+    default: score_tokens_t(k, ks, kh, len, AK_F32, job, qb, qhb, rows_per_head, sc);
+    }
+}
+
+/* Ask for the K and V rows of chunk [c0, c1) into L2 ahead of their use: decoding reads each
+ * key once, and without this a core waits on memory at every page's first rows (measured:
+ * each core's loads of K and V stalled for most of the kernel's time, whatever the page
+ * layout). */
+static void prefetch_chunk(const ak_job *job, int64_t b, int64_t base, int64_t c0, int64_t c1) {
+    ak_seg seg[AK_CHUNK];
+    const int esz = AK_ESZ(job->dtype);
+    const int64_t nseg = chunk_segments(job, b, base, c0, c1, seg);
+    const int64_t kb = job->D * esz, vb = job->Dv * esz; /* bytes of one head's row */
+    for (int64_t g = 0; g < nseg; ++g)
+        for (int64_t t = seg[g].first; t < seg[g].first + seg[g].len; ++t)
+            for (int64_t h = 0; h < job->Hkv; ++h) {
+                const char *k = job->kp + (seg[g].page * job->ks_page + t * job->ks_tok
+                                           + h * job->ks_head) * esz;
+                const char *v = job->vp + (seg[g].page * job->vs_page + t * job->vs_tok
+                                           + h * job->vs_head) * esz;
+                for (int64_t o = 0; o < kb; o += 64) __builtin_prefetch(k + o, 0, 2);
+                for (int64_t o = 0; o < vb; o += 64) __builtin_prefetch(v + o, 0, 2);
+            }
 }
 
 static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int64_t S = job->splits, Hq = job->Hq, Hkv = job->Hkv, Lq = job->Lq;
-    const int64_t D = job->D, Dv = job->Dv, P = job->P, R = Hq * Lq;
+    const int64_t D = job->D, Dv = job->Dv, R = Hq * Lq;
     const int64_t rows_per_head = (Hq / Hkv) * Lq; /* kv head h: rows [h, h + 1) * this */
     const int64_t s = task % S, b = task / S;
     const int64_t L = job->seqlens[b], base = job->starts ? job->starts[b] : 0;
@@ -413,8 +529,20 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const float unit = dtype == AK_E4M3 ? 256.0f : 1.0f;
     float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope;
     int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
-    const float *qb = job->q + b * R * D; /* row r = hq * Lq + i */
-    const uint16_t *qhb = job->qh ? job->qh + b * R * D : NULL;
+    /* this sequence's query rows (row r = hq * Lq + i), in float32 times the scale, and as
+     * given in bfloat16 for the dot products (exact products, the scale after) */
+    float *qb = w->q;
+    uint16_t *qhb = job->bf16_dot ? w->qh : NULL;
+    const int qesz = AK_ESZ(job->q_dtype);
+    for (int64_t r = 0; r < R; ++r) {
+        const char *src = job->q + (b * job->qs_b + (r / Lq) * job->qs_h
+                                    + (r % Lq) * job->qs_i) * qesz;
+        if (qhb) memcpy(qhb + r * D, src, (size_t)D * sizeof(uint16_t));
+        for (int64_t d = 0; d < D; d += AK_W) {
+            const ak_vf x = load16(src + d * qesz, job->q_dtype) * job->scale;
+            memcpy(qb + r * D + d, &x, sizeof x);
+        }
+    }
 
     /* causal: j <= i', i.e. a right bound of at most 0 */
     const int has_right = job->has_right || job->causal;
@@ -441,36 +569,35 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     if (k1 > khi) k1 = khi;
     const float cap = job->softcap;
 
+    ak_seg seg[AK_CHUNK];
     for (int64_t c0 = k0; c0 < k1;) {
-        const int64_t c1 = chunk_end(c0, base, P, k1), n = c1 - c0, pos = base + c0;
-        const int64_t page = job->bt[b * job->bt_cols + pos / P];
-        const char *kbase = job->kp + (page * job->ks_page + (pos % P) * job->ks_tok) * esz;
-        const char *vbase = job->vp + (page * job->vs_page + (pos % P) * job->vs_tok) * esz;
-        /* scores, token by token in memory order */
-        for (int64_t t = 0; t < n; ++t) {
-            for (int64_t h = 0; h < Hkv; ++h)
-                score_head(kbase + (t * job->ks_tok + h * job->ks_head) * esz, dtype,
-                           qb + h * rows_per_head * D,
-                           qhb ? qhb + h * rows_per_head * D : NULL, job->scale, D,
-                           rows_per_head,
-                           sc + h * rows_per_head * AK_CHUNK + t, AK_CHUNK);
+        const int64_t c1 = c0 + AK_CHUNK < k1 ? c0 + AK_CHUNK : k1, n = c1 - c0;
+        const int64_t nseg = chunk_segments(job, b, base, c0, c1, seg);
+        const int64_t nw = (n + AK_W - 1) / AK_W * AK_W; /* score lanes in use */
+        if (c1 < k1) prefetch_chunk(job, b, base, c1, c1 + AK_CHUNK < k1 ? c1 + AK_CHUNK : k1);
+        /* scores, token by token in memory order, one page segment at a time */
+        for (int64_t g = 0; g < nseg; ++g) {
+            const char *kbase = job->kp + (seg[g].page * job->ks_page
+                                           + seg[g].first * job->ks_tok) * esz;
+            score_tokens(kbase, seg[g].len, job, qb, qhb, rows_per_head, sc + seg[g].t);
+            if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
+                scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
+                           seg[g].t, seg[g].t + seg[g].len);
         }
-        if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
-            scale_rows(sc, job->kd + page * Hkv, unit, Hkv, rows_per_head, n);
-        /* score terms, visibility, online softmax; 16 lanes at a time over the whole chunk
-         * buffer (lanes past n are masked like invisible keys) */
+        /* score terms, visibility, online softmax; 16 lanes at a time over the chunk's lanes
+         * (lanes past n are masked like invisible keys) */
         const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
         for (int64_t r = 0; r < R; ++r) {
             float *sr = sc + r * AK_CHUNK;
             if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
-                memset(sr, 0, AK_CHUNK * sizeof(float));
+                memset(sr, 0, (size_t)nw * sizeof(float));
                 continue;
             }
             /* visible t: [a, e) within the chunk */
             const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
             const float ip = (float)(ipos[r] - c0), sl = slope[r];
             ak_vf mxv = ak_splat(-INFINITY); /* NaN lanes drop out of the max */
-            for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
+            for (int64_t t0 = 0; t0 < nw; t0 += AK_W) {
                 ak_vf v;
                 memcpy(&v, sr + t0, sizeof v);
                 const ak_vf t = iota + (float)t0;
@@ -486,15 +613,15 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const float mx = hmax(mxv);
             if (mx == -INFINITY) { /* nothing visible (or only -inf, NaN) in this chunk */
                 int nan = 0;
-                for (int64_t t = 0; t < AK_CHUNK; ++t) nan |= isnan(sr[t]);
+                for (int64_t t = 0; t < nw; ++t) nan |= isnan(sr[t]);
                 if (nan) m[r] = NAN; /* the row is NaN from now on */
-                memset(sr, 0, AK_CHUNK * sizeof(float));
+                memset(sr, 0, (size_t)nw * sizeof(float));
                 continue;
             }
             const float mnew = mx > m[r] ? mx : m[r];
             const float alpha = exp_nonpos1(m[r] - mnew);
             ak_vf sumv = ak_splat(0.0f);
-            for (int64_t t0 = 0; t0 < AK_CHUNK; t0 += AK_W) {
+            for (int64_t t0 = 0; t0 < nw; t0 += AK_W) {
                 ak_vf v;
                 memcpy(&v, sr + t0, sizeof v);
                 const ak_vf p = exp_nonpos(v - mnew); /* 0 where v = -inf, NaN where NaN */
@@ -504,7 +631,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const float sum = hsum(sumv);
             if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
                 m[r] = NAN;
-                memset(sr, 0, AK_CHUNK * sizeof(float));
+                memset(sr, 0, (size_t)nw * sizeof(float));
                 continue;
             }
             if (alpha != 1.0f) {
@@ -514,25 +641,35 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             l[r] = l[r] * alpha + sum;
             m[r] = mnew;
         }
-        /* P V, one kv head at a time; all its rows together where they all see the whole
-         * chunk (always when decoding one row), else each row over what it sees. fp8
-         * values: the page's descale goes on the weights (the sums l are already taken) */
-        if (job->vd) scale_rows(sc, job->vd + page * Hkv, unit, Hkv, rows_per_head, n);
-        for (int64_t h = 0; h < Hkv; ++h) {
-            const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
-            const char *vh = vbase + h * job->vs_head * esz;
-            int whole = 1;
-            for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
-            if (whole) {
-                pv_head(vh, job->vs_tok * esz, n, dtype, sc + r0 * AK_CHUNK, AK_CHUNK, Dv,
-                        rows_per_head, acc + r0 * Dv);
-                continue;
-            }
-            for (int64_t r = r0; r < r1; ++r) {
-                const int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
-                const int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
-                pv_row_range(vh, job->vs_tok * esz, t0, t1, dtype, sc + r * AK_CHUNK, Dv,
-                             acc + r * Dv);
+        /* P V, one page segment and kv head at a time; all the head's rows together where
+         * they all see the whole chunk (always when decoding one row), else each row over
+         * what it sees. fp8 values: the page's descale goes on the weights (the sums l are
+         * already taken) */
+        for (int64_t g = 0; g < nseg; ++g) {
+            const int64_t st = seg[g].t, len = seg[g].len, se = st + len;
+            if (job->vd)
+                scale_rows(sc, job->vd + seg[g].page * Hkv, unit, Hkv, rows_per_head, st, se);
+            const char *vbase = job->vp + (seg[g].page * job->vs_page
+                                           + seg[g].first * job->vs_tok) * esz;
+            for (int64_t h = 0; h < Hkv; ++h) {
+                const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
+                const char *vh = vbase + h * job->vs_head * esz;
+                int whole = 1;
+                for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
+                if (whole) {
+                    pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
+                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv);
+                    continue;
+                }
+                for (int64_t r = r0; r < r1; ++r) {
+                    /* the row's visible columns [t0, t1) of the chunk, within this segment */
+                    int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
+                    int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
+                    if (t0 < st) t0 = st;
+                    if (t1 > se) t1 = se;
+                    pv_row_range(vh, job->vs_tok * esz, t0 - st, t1 - st, dtype,
+                                 sc + r * AK_CHUNK + st, Dv, acc + r * Dv);
+                }
             }
         }
         c0 = c1;
@@ -543,14 +680,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         float *dst = job->out + o * Dv;
         if (isnan(m[r])) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = NAN;
-            job->lse[o] = NAN;
+            if (job->lse) job->lse[o] = NAN;
         } else if (l[r] > 0.0f) {
             const float inv = 1.0f / l[r];
             for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[r * Dv + d] * inv;
-            job->lse[o] = m[r] + logf(l[r]);
+            if (job->lse) job->lse[o] = m[r] + logf(l[r]);
         } else {
             memset(dst, 0, (size_t)Dv * sizeof(float));
-            job->lse[o] = -INFINITY;
+            if (job->lse) job->lse[o] = -INFINITY;
         }
     }
 }
@@ -565,7 +702,9 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     if (__atomic_load_n(&job->next, __ATOMIC_RELAXED) >= job->ntasks) return;
     const int64_t R = job->Hq * job->Lq;
     ak_scratch w;
-    float *f = (float *)malloc(sizeof(float) * (size_t)(R * job->Dv + R * AK_CHUNK + 3 * R));
+    const int64_t D = job->D; /* (q rows in float32, then in bfloat16: D floats a row) */
+    float *f = (float *)malloc(sizeof(float)
+                               * (size_t)(R * job->Dv + R * AK_CHUNK + 3 * R + 2 * R * D));
     int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * R));
     if (!f || !ix) {
         free(f);
@@ -577,6 +716,8 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     w.m = w.sc + R * AK_CHUNK;
     w.l = w.m + R;
     w.slope = w.l + R;
+    w.q = w.slope + R;
+    w.qh = (uint16_t *)(w.q + R * D);
     w.lo = ix;
     w.hi = ix + R;
     w.ipos = ix + 2 * R;
@@ -594,7 +735,13 @@ static void decode_worker(void *arg, int worker, int nworkers) {
  * and page indices in [0, num_pages) for every page it uses; else nonzero. */
 static int check_args(const ak_job *job, int64_t num_pages) {
     const int64_t B = job->B, P = job->P;
-    if (!job->q || !job->kp || !job->vp || !job->seqlens || !job->out || !job->lse) return 1;
+    if (!job->q || !job->kp || !job->vp || !job->seqlens || !job->out) return 1;
+    if (!job->lse && job->splits != 1) return 1; /* the caller merges splits by their LSE */
+    if (job->q_dtype < AK_F32 || job->q_dtype > AK_F16) return 1;
+#ifndef __FLT16_MAX__
+    if (job->q_dtype == AK_F16) return 1;
+#endif
+    if (job->qs_b < 0 || job->qs_h < 0 || job->qs_i < 0) return 1;
     if (B < 0 || job->Hq < 1 || job->Hkv < 1 || job->Hq % job->Hkv || job->Lq < 1) return 1;
     if (job->D < 0 || job->D % AK_W || job->Dv < 0 || job->Dv % AK_W) return 1;
     if (P < 1 || num_pages < 0 || job->bt_cols < 0 || job->splits < 1) return 1;
@@ -606,7 +753,12 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 #endif
     const int fp8 = job->dtype >= AK_E4M3;
     if (fp8 != (job->kd != NULL) || fp8 != (job->vd != NULL)) return 1; /* descales iff fp8 */
-    if (job->qh && job->dtype != AK_BF16) return 1; /* bf16 dot products need bf16 keys */
+#ifdef AK_DPBF16
+    if (job->bf16_dot && (job->dtype != AK_BF16 || job->q_dtype != AK_BF16 || job->D % 32))
+        return 1; /* bf16 dot products need bf16 q and keys */
+#else
+    if (job->bf16_dot) return 1;
+#endif
     if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
         || job->vs_tok < 0 || job->vs_head < 0)
         return 1;
@@ -627,19 +779,21 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 
 /* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
  * nothing done) when check_args refuses the arguments. */
-int attnkit_decode(const float *q, const uint16_t *qh, float scale, const void *kp,
+int attnkit_decode(const void *q, int q_dtype, int bf16_dot, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
                    const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
                    const int64_t *starts,
-                   const int64_t *dims, /* B, Hq, Hkv, Lq, D, Dv, P, num_pages */
+                   /* B, Hq, Hkv, Lq, D, Dv, P, num_pages, then q's strides (B, Hq, Lq) */
+                   const int64_t *dims,
                    int64_t splits, int64_t keys_per_split, int dtype,
                    int causal, int bottom_right, int has_left, int64_t left,
                    int has_right, int64_t right,
                    float softcap, const float *alibi, float *out, float *lse,
                    int nthreads) {
     ak_job job = {
-        .q = q, .qh = qh, .scale = scale,
+        .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = bf16_dot, .scale = scale,
+        .qs_b = dims[8], .qs_h = dims[9], .qs_i = dims[10],
         .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
         .ks_page = kstrides[0], .ks_tok = kstrides[1], .ks_head = kstrides[2],
         .vs_page = vstrides[0], .vs_tok = vstrides[1], .vs_head = vstrides[2],
