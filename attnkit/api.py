@@ -14,7 +14,7 @@ from .checks import autocast_dtype, autocast_inputs
 from .fp8 import check_positive, finish_output, is_fp8
 from .ops import is_compiling
 from .score_terms import index_grid
-from .spec import AttentionSpec, Options, build_spec
+from .spec import AttentionSpec, Options, band, build_spec
 
 
 class AuxRequest(NamedTuple):
@@ -136,6 +136,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     if return_aux is not None and not isinstance(return_aux, AuxRequest):
         raise TypeError(f"return_aux must be an attnkit.AuxRequest; got "
                         f"{type(return_aux).__name__}")
+    key = None
+    if not (return_lse or return_weights or return_aux is not None):
+        key = _replay_key(q, k, v, options, backend)
+        try:
+            launch = _REPLAYS.get(key) if key is not None else None
+        except TypeError:  # an unhashable option value (a list for window): not replayed
+            key = launch = None
+        if launch is not None:
+            out = launch(q, k, v, options.get("seqlens_kv"), options.get("starts_kv"))
+            if out is not None:
+                return out
+            del _REPLAYS[key]  # the full path explains the refusal (or makes a new launcher)
     opts = Options.from_kwargs("attention", options)
     q, k, v, bias, sinks = autocast_inputs(q, k, v, opts.bias, opts.sinks)
     if bias is not opts.bias or sinks is not opts.sinks:
@@ -151,7 +163,61 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
         return _results(None, out, lse, mx, return_lse, return_aux, False)
     spec = build_spec(q, k, v, opts, outputs=wanted)
     out, lse, mx = _execute(spec, backend)
+    if key is not None and key not in _REPLAYS:
+        _remember(key, spec, opts, backend, (q, k, v))
     return _results(spec, out, lse, mx, return_lse, return_aux, return_weights)
+
+
+# ---- decoding steps: the same call again with one more cached key --------------------------
+
+#: Options a replayed call may carry (tensors only for the padding lengths)
+_REPLAY_OPTIONS = frozenset({"scale", "causal", "diagonal", "window", "softcap"})
+_REPLAY_TENSORS = frozenset({"seqlens_kv", "starts_kv"})
+#: The decode executor's launchers (or None: not replayable) by :func:`_replay_key`
+_REPLAYS: dict = {}
+
+
+def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional[tuple]:
+    """What a call that the decode executor can replay has in common with the next decoding
+    step's call (everything but the number of cached keys and the cache's strides), or None
+    when this call cannot be replayed: a tensor subclass, not CPU, not 4-D, an option beyond
+    :data:`_REPLAY_OPTIONS`, gradients wanted, autocast, a torch.func transform or
+    forward-mode AD, or torch.compile tracing. (An unhashable option value makes the key
+    unhashable: the caller's lookup then says no.)"""
+    if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
+        return None
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None  # (the decode executor replays CPU calls only)
+    if is_compiling():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    items = []
+    for name, value in options.items():
+        if name in _REPLAY_TENSORS and type(value) is Tensor:
+            items.append((name, value.dtype, value.shape, value.device))
+        elif name in _REPLAY_OPTIONS and not isinstance(value, Tensor):
+            items.append((name, type(value), value))
+        else:
+            return None
+    if autocast_dtype("cpu") is not None or _transformed():
+        return None
+    ks, vs = k.shape, v.shape
+    return (q.shape, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype, vs[0],
+            vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(), tuple(items))
+
+
+def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str,
+              given: Tuple[Tensor, Tensor, Tensor]) -> None:
+    """Store the decode executor's launcher for ``key`` (None where it has none)."""
+    launch = None
+    if (backends.select(spec, backend) is backends.REGISTRY["decode"]
+            and not spec.squeeze_heads and spec.batch_shape == (spec.n,)
+            and all(s.shape == x.shape for s, x in zip((spec.q, spec.k, spec.v), given))):
+        launch = backends.REGISTRY["decode"].replay(spec, band(opts.causal, opts.window))
+    if len(_REPLAYS) > 256:  # a few forms recur in decoding; do not grow without bound
+        _REPLAYS.clear()
+    _REPLAYS[key] = launch
 
 
 #: attention() outside the compiled graph, for what cannot pass through the custom op
@@ -229,14 +295,18 @@ def _forward_only(spec: AttentionSpec, executor: Any) -> Any:
     return executor.forward(spec, executor.make_plan(spec))
 
 
+def _transformed() -> bool:
+    """Whether a torch.func transform or forward-mode AD is active (private torch state; where
+    this torch lacks it, assume one is)."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return active is None or active() or getattr(forward_ad, "_current_level", 0) >= 0
+
+
 def _needs_graph(spec: AttentionSpec) -> bool:
     """Whether the call must run through the autograd node: an input requires grad (with
     grad mode on), or a torch.func transform or forward-mode AD is active (the node says
     what it supports there)."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if active is None or active():
-        return True
-    if getattr(forward_ad, "_current_level", 0) >= 0:
+    if _transformed():
         return True
     if not torch.is_grad_enabled():
         return False

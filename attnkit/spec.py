@@ -508,6 +508,17 @@ def _canonical_4d(name: str, x: Tensor, batch: Tuple[int, ...], n: int,
     return x
 
 
+def band(causal: bool, window: Any) -> Tuple[Optional[int], Optional[int]]:
+    """The key bounds ``(left, right)`` of ``causal`` and ``window`` (validated) before they
+    are clamped to a grid: ``causal`` caps ``right`` at 0. :func:`build_spec` clamps them
+    to ``+-(Lq + Lk + 1)``, which changes no result; a decoding replay keeps them as they are,
+    for every cache length."""
+    left, right = check_window(window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
 def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = None, *,
                segments: Optional[Tuple[Tensor, Tensor]] = None,
                row_offset: Optional[Tensor] = None, paged: Optional[PagedKV] = None,
@@ -548,9 +559,7 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     f["diagonal"] = diagonal
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    left, right = check_window(opts.window)
-    if causal:
-        right = 0 if right is None else min(right, 0)
+    left, right = band(causal, opts.window)
     f["left"], f["right"] = clamp_bound(left, lq, lk), clamp_bound(right, lq, lk)
     for name, x in (("mask", mask), ("bias", bias), ("sinks", opts.sinks),
                     ("dropout_mask", opts.dropout_mask)):

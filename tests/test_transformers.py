@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tfi = pytest.importorskip("attnkit.integrations.transformers")
 
+from conftest import spy as count_calls  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
 
 import attnkit  # noqa: E402
@@ -220,9 +221,12 @@ def test_greedy_generation_matches(name):
 
 def test_left_padded_generation_decodes_on_key_starts(monkeypatch):
     """Left-padded greedy generation: the same tokens as "sdpa", every call carries the
-    padding as starts_kv (no mask tensor) and each decoding step runs the decode executor."""
-    from attnkit import backends
+    padding as starts_kv (no mask tensor) and each decoding step runs the decode executor
+    (the first selects it, the later ones replay it: the kernel runs at every step)."""
+    from attnkit import api, backends, native
 
+    monkeypatch.setattr(api, "_REPLAYS", {})
+    runs = count_calls(monkeypatch, native.DecodeCall, "run")
     ids, mask = _batch("left", seed=11)
     kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
               pad_token_id=0)
@@ -239,6 +243,8 @@ def test_left_padded_generation_decodes_on_key_starts(monkeypatch):
     assert kws and all("mask" not in kw and kw["starts_kv"].tolist() == [12 - n for n in LENGTHS]
                        for kw in kws)
     assert {name for lq, name in chosen if lq == 1} == {"decode"}
+    layers = _model("llama", "attnkit").config.num_hidden_layers
+    assert len(runs) == layers * (kw["max_new_tokens"] - 1)  # every step after the prompt
 
 
 @pytest.mark.parametrize("name", list(MODELS))

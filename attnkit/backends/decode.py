@@ -173,6 +173,61 @@ def _native(spec: AttentionSpec, k: Tensor, v: Tensor) -> Optional[Tuple[Tensor,
                                **_terms(spec), **descales)
 
 
+#: What :func:`replay` runs: analytic masks on a contiguous cache with one kind of padding.
+_REPLAYED = frozenset({"window", "softcap", "seqlens_kv", "starts_kv"})
+
+#: ``launch(q, k, v, seqlens_kv, starts_kv)``: see :func:`replay`
+Launch = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]], Optional[Tensor]]
+
+
+def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]) -> Optional[Launch]:
+    """A launcher for the calls of a decoding loop that follow this one: the same query
+    (shape, strides, dtype), options and key/value heads, dims and dtypes, with any number of
+    cached keys in any strides. ``launch(q, k, v, seqlens_kv, starts_kv)`` (4-D tensors, as
+    the user passed them) runs the native kernel as :func:`forward` would and returns the
+    output in q's dtype, without a spec, a selection or the kernel's per-call checks in
+    Python; it returns None (take the full path) when the kernel was unloaded, K and V
+    disagree in length or have none, or the kernel refuses the lengths (the full path then
+    explains them). ``bounds`` are the window's unclamped bounds (:func:`attnkit.spec.band`):
+    the spec's are clamped to its own cache length. None here when the call is not of that
+    form: a contiguous cache with at most one of right (``seqlens_kv``) and left
+    (``starts_kv``) padding, causal / window / softcap, no ALiBi, sinks or packed sequences,
+    the kernel able to run it."""
+    if (spec.features() - _REPLAYED or spec.is_empty
+            or (spec.seqlens_kv is not None and spec.starts_kv is not None)
+            or _kernel_kv(spec) is None or _key_rows(spec) is None):
+        return None
+    terms = dict(_terms(spec), window=bounds)
+    del terms["alibi_slopes"]  # (None: not replayed)
+    call = native.DecodeCall(spec.q, spec.k.dtype, scale=spec.scale, **terms)
+    n = spec.n
+    table = torch.arange(n, dtype=torch.int64).view(n, 1)
+    lib = call.lib
+
+    def launch(q: Tensor, k: Tensor, v: Tensor, seqlens_kv: Optional[Tensor],
+               starts_kv: Optional[Tensor]) -> Optional[Tensor]:
+        lk = k.shape[2]
+        if native._state.get("lib") is not lib or lk != v.shape[2] or lk == 0:
+            return None
+        starts = None
+        if seqlens_kv is not None:
+            lengths = seqlens_kv
+        elif starts_kv is not None:
+            starts = starts_kv.to(torch.int64)
+            lengths = lk - starts  # (a start past Lk gives a negative length: refused)
+        else:
+            lengths = _cached(_FULL_LENGTHS, (n, lk, q.device),
+                              lambda: torch.full((n,), lk, dtype=torch.int64))
+        try:
+            out, _ = call.run(q, k.transpose(1, 2), v.transpose(1, 2), table, lengths, lk,
+                              starts=starts, want_lse=False)
+        except ValueError:
+            return None
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    return launch
+
+
 def _key_rows(spec: AttentionSpec) -> Optional[Tuple[Optional[Tensor], Optional[Tensor]]]:
     """Each row's keys for the kernel, ``(lengths, starts)``: the kernel reads row b's keys
     from ``starts[b]`` for ``lengths[b]`` keys and counts positions from its first key. With
