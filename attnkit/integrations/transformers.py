@@ -316,10 +316,46 @@ def _recognise(fn: Any) -> Optional[_Pattern]:
     return None
 
 
+def _codes(fn: Any, depth: int = 0) -> Optional[tuple]:
+    """The code objects of ``fn`` and of the mask functions it closes over (what a recognised
+    mask function is made of; transformers makes new closures of the same code every call),
+    or None where one has none."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 8:
+        return None
+    cells = _closure(fn)
+    parts = cells.get("mask_functions", ())
+    inner = cells.get("mask_function")
+    nested = tuple(parts) + ((inner,) if callable(inner) else ())
+    sub = tuple(_codes(part, depth + 1) for part in nested)
+    return None if any(x is None for x in sub) else (code, sub)
+
+
+#: _probe_agrees' verdicts by (mask function code, pattern): a transformers version's helpers
+#: mean one thing in a process, so each form is probed once, not at every decoding step
+_PROBED: Dict[tuple, bool] = {}
+
+
 def _probe_agrees(fn: Callable, pattern: _Pattern, batch: int, lq: int, lk: int, q_off: int,
                   kv_off: int, device: Any) -> bool:
     """Evaluate ``fn`` on a few rows and on the columns around the band's edges and compare
-    with ``pattern``: a guard against a transformers version whose helpers changed meaning."""
+    with ``pattern``: a guard against a transformers version whose helpers changed meaning.
+    The verdict is kept for the function's form (its code objects and the pattern's band)."""
+    codes = _codes(fn)
+    key = None if codes is None else (codes, pattern.lo, pattern.hi,
+                                      pattern.documents is None, pattern.remapped)
+    if key is not None and key in _PROBED:
+        return _PROBED[key]
+    agrees = _probe(fn, pattern, batch, lq, lk, q_off, kv_off, device)
+    if key is not None:
+        if len(_PROBED) > 256:
+            _PROBED.clear()
+        _PROBED[key] = agrees
+    return agrees
+
+
+def _probe(fn: Callable, pattern: _Pattern, batch: int, lq: int, lk: int, q_off: int,
+           kv_off: int, device: Any) -> bool:
     d = q_off - kv_off
     rows = sorted({r for r in (0, 1, lq // 2, lq - 2, lq - 1) if 0 <= r < lq})
     cols = {0, 1, lk // 2, lk - 2, lk - 1}
