@@ -471,19 +471,106 @@ AK_INLINE int64_t chunk_segments(const ak_job *job, int64_t b, int64_t base, int
     return count;
 }
 
+/* Scores of 4 query rows (q, row-major D = NB * AK_W) against `len` key rows k + t * ks
+ * (bytes), into out[g * AK_CHUNK + t]: the query blocks stay in registers for every key
+ * (reloading them for each key cost more loads than multiply-adds). NB is a constant where
+ * this is inlined. */
+AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, const float *q,
+                           int NB, float *out) {
+    const int esz = AK_ESZ(dtype);
+    const int64_t D = (int64_t)NB * AK_W;
+    ak_vf qv[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) memcpy(&qv[g][j], q + g * D + j * AK_W, sizeof(ak_vf));
+    for (int64_t t = 0; t < len; ++t) {
+        const char *row = k + t * ks;
+        ak_vf a0 = ak_splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        for (int j = 0; j < NB; ++j) {
+            const ak_vf kb = load16(row + j * AK_W * esz, dtype);
+            a0 += qv[0][j] * kb;
+            a1 += qv[1][j] * kb;
+            a2 += qv[2][j] * kb;
+            a3 += qv[3][j] * kb;
+        }
+        hsum4(a0, a1, a2, a3, out + t, AK_CHUNK);
+    }
+}
+
+#ifdef AK_DPBF16
+/* the same with bfloat16 queries and keys in vdpbf16ps (D = NB * 32), times the scale */
+AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const uint16_t *q,
+                              float scale, int NB, float *out) {
+    const int64_t D = (int64_t)NB * 32;
+    __m512bh qv[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) qv[g][j] = ak_bh(q + g * D + j * 32);
+    for (int64_t t = 0; t < len; ++t) {
+        const uint16_t *row = k + t * ks;
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+        for (int j = 0; j < NB; ++j) {
+            const __m512bh kv = ak_bh(row + j * 32);
+            for (int g = 0; g < 4; ++g) a[g] = _mm512_dpbf16_ps(a[g], qv[g][j], kv);
+        }
+        ak_vf f[4];
+        for (int g = 0; g < 4; ++g) memcpy(&f[g], &a[g], sizeof(ak_vf));
+        float sums[4];
+        hsum4(f[0], f[1], f[2], f[3], sums, 1);
+        for (int g = 0; g < 4; ++g) out[g * AK_CHUNK + t] = scale * sums[g];
+    }
+}
+#endif
+
 /* scores of `len` key rows (token stride ks, kv head stride kh, in elements) for every kv
- * head's rows, into sc columns from t (dtype a constant where this is inlined) */
+ * head's rows, into sc columns from t (dtype a constant where this is inlined): groups of 4
+ * rows with their queries in registers where the head dim allows (D <= 64, or <= 128 for
+ * the bfloat16 dot products), else key by key */
+#define AK_NB_CASES(CALL) \
+    switch (nb) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
+                  default: CALL(4); }
 AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
                               const ak_job *job, const float *qb, const uint16_t *qhb,
                               int64_t rows_per_head, float *sc) {
     const int esz = AK_ESZ(dtype);
-    const int64_t D = job->D;
+    const int64_t D = job->D, groups = rows_per_head / 4, rest = rows_per_head % 4;
+#ifdef AK_DPBF16
+    const int dp = qhb != NULL && D <= 128;
+#else
+    const int dp = 0;
+#endif
+    if (groups && (dp || D <= 4 * AK_W)) {
+        const int nb = (int)(dp ? D / 32 : D / AK_W);
+        for (int64_t h = 0; h < job->Hkv; ++h) {
+            const char *kh0 = k + h * kh * esz;
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t r = h * rows_per_head + 4 * g;
+                float *out = sc + r * AK_CHUNK;
+#ifdef AK_DPBF16
+                if (dp) {
+#define AK_DP(NB) score4_keys_dp((const uint16_t *)kh0, ks, len, qhb + r * D, job->scale, NB, \
+                                 out)
+                    AK_NB_CASES(AK_DP)
+#undef AK_DP
+                    continue;
+                }
+#endif
+#define AK_F(NB) score4_keys(kh0, ks * esz, len, dtype, qb + r * D, NB, out)
+                AK_NB_CASES(AK_F)
+#undef AK_F
+            }
+        }
+        if (!rest) return;
+    }
+    const int64_t first = (groups && (dp || D <= 4 * AK_W)) ? 4 * groups : 0;
     for (int64_t tt = 0; tt < len; ++tt)
-        for (int64_t h = 0; h < job->Hkv; ++h)
-            score_head(k + (tt * ks + h * kh) * esz, dtype, qb + h * rows_per_head * D,
-                       qhb ? qhb + h * rows_per_head * D : NULL, job->scale, D, rows_per_head,
-                       sc + h * rows_per_head * AK_CHUNK + tt, AK_CHUNK);
+        for (int64_t h = 0; h < job->Hkv; ++h) {
+            const int64_t r = h * rows_per_head + first;
+            score_head(k + (tt * ks + h * kh) * esz, dtype, qb + r * D,
+                       qhb ? qhb + r * D : NULL, job->scale, D, rows_per_head - first,
+                       sc + r * AK_CHUNK + tt, AK_CHUNK);
+        }
 }
+#undef AK_NB_CASES
 
 static void score_tokens(const char *k, int64_t len, const ak_job *job, const float *qb,
                          const uint16_t *qhb, int64_t rows_per_head, float *sc) {
