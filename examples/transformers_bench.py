@@ -13,6 +13,8 @@ batch 1 x 8192 tokens, with the time of each step spent in the attention calls
 (torch.profiler, a record_function around each call). Before timing, each pair is checked to
 agree (logits, generated tokens).
 
+Every pair runs interleaved (``--repeat`` rounds, the order alternating) and the speed-up is the
+median over rounds of sdpa's time over attnkit's (tokens/s: attnkit's over sdpa's).
 Printed: the CPU (lscpu's model name and its SIMD flags), the load average before and after,
 torch's thread count, and one table whose last column is the CPU other processes used while
 that row was measured (in cores, from /proc: on a shared machine a row with much of it is not
@@ -72,14 +74,23 @@ def load_average() -> str:
         return "unknown"
 
 
-def median_s(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up (kernel builds, allocator)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def paired_s(fns: Dict[str, Callable[[], object]],
+             repeat: int) -> Tuple[Dict[str, float], float]:
+    """Each implementation's median time over ``repeat`` rounds, the implementations
+    interleaved (their order alternating from round to round, so a machine that speeds up or
+    slows down meanwhile weighs on both alike), and the median over rounds of the per-round
+    speed-up ``time[sdpa] / time[attnkit]``."""
+    for fn in fns.values():
+        fn()  # warm-up (kernel builds, allocator)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeat):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["sdpa"], times["attnkit"])]
+    return {n: statistics.median(t) for n, t in times.items()}, statistics.median(ratios)
 
 
 def build(impl: str, sliding: int | None, dtype: torch.dtype, quick: bool):
@@ -111,21 +122,22 @@ def step_fns(model, ids) -> Tuple[Callable[[], object], Callable[[], object]]:
 
 
 def generation_rates(models, prompts, new: int, repeat: int,
-                     mask=None) -> Tuple[Dict[str, float], bool]:
+                     mask=None) -> Tuple[Dict[str, float], float, bool]:
     """Greedy generation of ``new`` tokens per prompt (``mask``: the padding mask, all ones by
-    default): new tokens per second for each implementation, and whether they generated the
-    same tokens."""
-    tokens, rate = {}, {}
+    default): new tokens per second for each implementation, attnkit's speed-up (median over
+    interleaved rounds) and whether they generated the same tokens."""
+    tokens = {}
     mask = torch.ones_like(prompts) if mask is None else mask
-    for impl in IMPLS:
-        def gen(impl: str = impl) -> None:
-            with torch.no_grad():
-                tokens[impl] = models[impl].generate(
-                    prompts, attention_mask=mask, max_new_tokens=new,
-                    min_new_tokens=new, do_sample=False, pad_token_id=0)
 
-        rate[impl] = prompts.shape[0] * new / median_s(gen, repeat)
-    return rate, torch.equal(tokens["sdpa"], tokens["attnkit"])
+    def gen(impl: str) -> None:
+        with torch.no_grad():
+            tokens[impl] = models[impl].generate(
+                prompts, attention_mask=mask, max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    t, speedup = paired_s({impl: (lambda impl=impl: gen(impl)) for impl in IMPLS}, repeat)
+    rate = {impl: prompts.shape[0] * new / t[impl] for impl in IMPLS}
+    return rate, speedup, torch.equal(tokens["sdpa"], tokens["attnkit"])
 
 
 def decode_step_us(calls: int = 2000) -> Dict[str, Tuple[float, float]]:
@@ -224,24 +236,25 @@ def main() -> None:
             a, b = (models[i](ids[:, :256], use_cache=False).logits.float() for i in IMPLS)
         print(f"llama {dname}: max |attnkit - sdpa| logits {(a - b).abs().max().item():.2e}")
         for what, idx in (("forward", 0), ("forward+backward", 1)):
-            t = {i: median_s(step_fns(models[i], ids)[idx], args.repeat) for i in IMPLS}
+            t, speedup = paired_s({i: step_fns(models[i], ids)[idx] for i in IMPLS},
+                                  args.repeat)
             rows.add(f"llama {batch}x{seq}", dname, what, f"{t['sdpa'] * 1e3:.0f} ms",
-                     f"{t['attnkit'] * 1e3:.0f} ms", f"{t['sdpa'] / t['attnkit']:.2f}x")
+                     f"{t['attnkit'] * 1e3:.0f} ms", f"{speedup:.2f}x")
         if dtype == torch.float32:
             prompts = torch.randint(3, 8192, (2, prompt), generator=g)
-            rate, same = generation_rates(models, prompts, new, max(1, args.repeat - 1))
+            rate, speedup, same = generation_rates(models, prompts, new, args.repeat)
             rows.add(f"generate 2x{prompt}+{new}", dname, "tokens/s",
                      f"{rate['sdpa']:.1f}", f"{rate['attnkit']:.1f}",
-                     f"{rate['attnkit'] / rate['sdpa']:.2f}x" + ("" if same else " (!)"))
+                     f"{speedup:.2f}x" + ("" if same else " (!)"))
             print(f"generate: same tokens for sdpa and attnkit: {same}")
             pad = prompt // 4
             mask = torch.ones_like(prompts)
             mask[1, :pad] = 0  # the second prompt left-padded
             padded = prompts.masked_fill(mask == 0, 0)
-            rate, same = generation_rates(models, padded, new, max(1, args.repeat - 1), mask)
+            rate, speedup, same = generation_rates(models, padded, new, args.repeat, mask)
             rows.add(f"generate 2x{prompt}+{new}, {pad} left pad", dname, "tokens/s",
                      f"{rate['sdpa']:.1f}", f"{rate['attnkit']:.1f}",
-                     f"{rate['attnkit'] / rate['sdpa']:.2f}x" + ("" if same else " (!)"))
+                     f"{speedup:.2f}x" + ("" if same else " (!)"))
             print(f"generate, left padded: same tokens for sdpa and attnkit: {same}")
             us = decode_step_us(400 if q else 2000)
             rows.add("decode step 2x8/2 heads, 257 keys", dname, "us p50 / p90",
@@ -258,16 +271,14 @@ def main() -> None:
             a, b = (models[i](ids[:, :2048], use_cache=False).logits.float() for i in IMPLS)
         print(f"mistral {dname}: max |attnkit - sdpa| logits {(a - b).abs().max().item():.2e}")
         for what, idx in (("forward", 0), ("forward+backward", 1)):
-            t, share = {}, {}
-            for impl in IMPLS:
-                fn = step_fns(models[impl], ids)[idx]
-                t[impl] = median_s(fn, max(1, args.repeat - 1))
-                share[impl] = attention_share(models[impl], fn, impl)
+            fns = {impl: step_fns(models[impl], ids)[idx] for impl in IMPLS}
+            t, speedup = paired_s(fns, max(1, args.repeat - 1))
+            share = {impl: attention_share(models[impl], fns[impl], impl) for impl in IMPLS}
             attn = {i: t[i] * share[i] for i in IMPLS}  # seconds in the attention calls
             rows.add(f"mistral sw{window} 1x{long_seq}", dname, what,
                      f"{t['sdpa'] * 1e3:.0f} ms (attn {attn['sdpa'] * 1e3:.0f} ms)",
                      f"{t['attnkit'] * 1e3:.0f} ms (attn {attn['attnkit'] * 1e3:.0f} ms)",
-                     f"{t['sdpa'] / t['attnkit']:.2f}x (attn "
+                     f"{speedup:.2f}x (attn "
                      f"{attn['sdpa'] / max(attn['attnkit'], 1e-9):.2f}x)")
         del models
 
