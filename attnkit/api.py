@@ -126,9 +126,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
         return_weights: also return the pre-dropout attention weights ``(*B, Hq, Lq, Lk)``
             as a tensor that does not require grad. This is dense (Lq x Lk): for inspection
             and small problems.
-        backend: ``"auto"`` (default), or force an executor (``"decode"``, ``"fused"``,
-            ``"tiled"``; see :mod:`attnkit.backends`); a forced backend that cannot run the
-            call raises ``NotImplementedError`` with its reasons.
+        backend: ``"auto"`` (default), or force an executor (``"triton"`` for CUDA tensors,
+            ``"decode"``, ``"fused"``, ``"tiled"``; see :mod:`attnkit.backends`); a forced
+            backend that cannot run the call raises ``NotImplementedError`` with its reasons.
 
     Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;
     ``weights`` is appended last with ``return_weights``.
