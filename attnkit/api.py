@@ -11,10 +11,17 @@ from torch.autograd import forward_ad
 from . import backends, compiled
 from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from .checks import autocast_dtype, autocast_inputs
-from .fp8 import check_positive, finish_output, is_fp8
-from .ops import is_compiling
+from .fp8 import (
+    cache_descales,
+    check_out_dtype,
+    check_positive,
+    dequantize_query,
+    finish_output,
+    is_fp8,
+)
+from .ops import is_compiling, stand_ins
 from .score_terms import index_grid
-from .spec import AttentionSpec, Options, band, build_spec
+from .spec import AttentionSpec, Options, PagedKV, band, build_spec
 
 
 class AuxRequest(NamedTuple):
@@ -105,7 +112,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     ``descale_k``, ``descale_v`` are required, each a float / 0-d tensor or per (batch, kv
     head) ``(*B, Hkv)`` (q also ``(*B, Hq)``), as :func:`attnkit.quantize_fp8` returns them.
     The inputs are dequantized into ``out_dtype`` (bfloat16 by default, or float32) and every
-    mask and score term above applies. ``out_dtype`` sets the output's dtype (for any
+    mask and score term above applies; a decoding step (up to 16 query rows) over 4-D fp8
+    k/v that the decode executor can run reads them in place instead (each batch row one
+    page, converted in the kernel's registers). ``out_dtype`` sets the output's dtype (for any
     inputs): a float dtype, or fp8 with ``out_scale`` (``out8 = fp8(out * out_scale)``).
     ``p_scale`` rounds the softmax weights to e4m3 as ``fp8(P * p_scale) / p_scale`` before
     ``P V`` (tiled executor; forward only). fp8 tensors cannot require grad (differentiate
@@ -161,11 +170,48 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
                                       **{name: getattr(opts, name) for name in opts.names()})
         out, lse, mx = compiled.attention(q, k, v, opts, wanted, backend)
         return _results(None, out, lse, mx, return_lse, return_aux, False)
-    spec = build_spec(q, k, v, opts, outputs=wanted)
+    spec = None if return_weights else _fp8_cache_in_place(q, k, v, opts, wanted, backend)
+    if spec is None:
+        spec = build_spec(q, k, v, opts, outputs=wanted)
     out, lse, mx = _execute(spec, backend)
     if key is not None and key not in _REPLAYS:
         _remember(key, spec, opts, backend, (q, k, v))
     return _results(spec, out, lse, mx, return_lse, return_aux, return_weights)
+
+
+def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset,
+                        backend: str) -> Optional[AttentionSpec]:
+    """A decoding step over an fp8 K/V cache held as ``(N, Hkv, Lk, D)`` tensors with
+    per-tensor or per-(batch row, kv head) descales (FlashAttention-3's layout): the spec of
+    the call with K/V read in place, each batch row one page (the decode executor converts
+    them in registers), instead of a dequantized copy of the cache. None when the call is not
+    of that form (all three 4-D fp8 of one format with their descales, no descale that needs
+    a gradient, a few query rows) or the decode executor would not run it: the caller then
+    dequantizes, as for any fp8 input."""
+    if backend not in ("auto", "decode") or not all(
+            type(x) is Tensor and is_fp8(x) and x.dim() == 4 for x in (q, k, v)):
+        return None
+    descales = (opts.descale_q, opts.descale_k, opts.descale_v)
+    if (not q.dtype == k.dtype == v.dtype or any(d is None for d in descales)
+            or q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows
+            or not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[2] != v.shape[2]):
+        return None
+    if torch.is_grad_enabled() and any(isinstance(d, Tensor) and d.requires_grad
+                                       for d in descales):
+        return None  # (their gradients need the dequantized tensors)
+    out_dtype, _ = check_out_dtype(opts.out_dtype, opts.out_scale)
+    hkv, n, lk = k.shape[1], k.shape[0], k.shape[2]
+    pages = PagedKV(k.transpose(1, 2), v.transpose(1, 2),
+                    torch.arange(n, device=q.device).view(n, 1),
+                    cache_descales("k", k, opts.descale_k), cache_descales("v", v, opts.descale_v))
+    real_q = dequantize_query(q, opts.descale_q, hkv, out_dtype)
+    k_stub, v_stub = stand_ins(pages.k_pages, pages.v_pages, pages.block_table, real_q.dtype)
+    lengths = opts.seqlens_kv if opts.seqlens_kv is not None else torch.full(
+        (n,), lk, dtype=torch.int64, device=q.device)
+    spec = build_spec(real_q, k_stub, v_stub, opts.merged(
+        descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted,
+        paged=pages)
+    return spec if backends.choose(spec) is backends.REGISTRY["decode"] else None
 
 
 # ---- decoding steps: the same call again with one more cached key --------------------------

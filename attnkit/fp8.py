@@ -189,9 +189,29 @@ def dequantize_inputs(q: Any, k: Any, v: Any, descale_q: Any, descale_k: Any, de
                 f"({name} = {name}8.to(torch.bfloat16) * descale_{name}), or use "
                 f"attnkit.attention_backward, which returns gradients with respect to the "
                 f"dequantized inputs in bfloat16/float32; descales may require grad")
-    target = out_dtype if out_dtype in _FLOAT else DEFAULT_COMPUTE
+    target = compute_dtype(out_dtype)
     hkv = k.shape[-3] if k.dim() >= 3 else 1
     return tuple(_dequantize(name, x, d, hkv, target) for name, x, d in xs)  # type: ignore
+
+
+def compute_dtype(out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype fp8 inputs are computed in: ``out_dtype`` when it is a float dtype, else
+    bfloat16."""
+    return out_dtype if out_dtype in _FLOAT else DEFAULT_COMPUTE
+
+
+def dequantize_query(q: Tensor, descale_q: Any, hkv: int,
+                     out_dtype: Optional[torch.dtype]) -> Tensor:
+    """fp8 ``q`` as :func:`dequantize_inputs` computes it (validated the same way)."""
+    return _dequantize("q", q, descale_q, hkv, compute_dtype(out_dtype))
+
+
+def cache_descales(name: str, x: Tensor, descale: Any) -> Tensor:
+    """The descale of fp8 ``k`` or ``v`` ``(N, Hkv, L, D)`` (validated as
+    :func:`dequantize_inputs` validates it) as one float32 per batch row and kv head,
+    ``(N, Hkv)``: the per-(page, kv head) descales of its rows read as pages."""
+    d = _check_descale(name, x, descale, x.shape[-3])
+    return (d.expand(x.shape[0], x.shape[1]) if d.dim() == 0 else d).contiguous()
 
 
 def _dequantize(name: str, x: Tensor, descale: Any, hkv: int, target: torch.dtype) -> Tensor:
