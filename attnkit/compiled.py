@@ -12,7 +12,7 @@ graph, with a graph break that says why (``fullgraph=True`` reports it as its er
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -117,14 +117,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, bac
 
 
 def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens_kv: Tensor,
-          opts: Any, return_lse: bool, backend: str) -> Any:
+          opts: Any, return_lse: bool, backend: str, k_descale: Optional[Tensor] = None,
+          v_descale: Optional[Tensor] = None) -> Any:
     """:func:`attnkit.paged_attention_blocks` under torch.compile: the pages are read in place
     by the decode executor inside the op (a paged call that needs gradients or more than the
-    decode executor runs is refused there, with its reasons)."""
-    k_stub, v_stub = ops.stand_ins(k_pages, v_pages, block_table)
+    decode executor runs is refused there, with its reasons); fp8 pages come with their
+    ``(num_pages, Hkv)`` descales and are computed in q's dtype."""
+    k_stub, v_stub = ops.stand_ins(k_pages, v_pages, block_table,
+                                   dtype=q.dtype if k_descale is not None else None)
     p = ops.pack("paged", q, k_stub, v_stub, opts,
                  backend="decode" if backend == "auto" else backend,
-                 extra={"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table})
+                 extra={"k_pages": k_pages, "v_pages": v_pages, "block_table": block_table,
+                        "k_descale": k_descale, "v_descale": v_descale})
     p.slots["seqlens_kv"] = seqlens_kv
     out, lse, _ = ops.call(p, q, k_stub, v_stub)
     return (out, lse) if return_lse else out

@@ -2,7 +2,8 @@
 
 ``attnkit::attention`` (forward) and ``attnkit::attention_backward`` take only tensors and
 scalars: q, k, v, the optional tensors of a call in the fixed order of :data:`SLOTS` (bias,
-bool mask, sinks, ALiBi slopes, padding lengths, segment ids, paged K/V and block tables,
+bool mask, sinks, ALiBi slopes, padding lengths, segment ids, paged K/V, block tables and fp8
+page descales,
 BlockMask index tensors, a dropout keep mask or seed), the tensors of builtin mask_mods and
 score_mods (a builtin is carried as its recipe: its factory and arguments, see
 :attr:`attnkit.mods.Builtin.recipe`) and a JSON string of the static options. Inside, on real
@@ -33,7 +34,7 @@ from torch import Tensor
 SLOTS = ("mask", "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "dropout_mask", "seed",
          "segments_q", "segments_kv", "row_offset", "k_pages", "v_pages", "block_table",
          "cu_seqlens_q", "cu_seqlens_kv", "bm_kv_num_blocks", "bm_kv_indices",
-         "bm_full_kv_num_blocks", "bm_full_kv_indices")
+         "bm_full_kv_num_blocks", "bm_full_kv_indices", "k_descale", "v_descale")
 #: Options whose tensors may get a gradient; they travel with the mods' tensors in the ops'
 #: ``grad_tensors`` list (the config names which are present).
 GRAD_OPTIONS = ("bias", "sinks")
@@ -223,7 +224,8 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
 
         lens = _check_pages(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens_kv"])
         opts = opts.merged(seqlens_kv=lens)
-        extra["paged"] = PagedKV(t["k_pages"], t["v_pages"], t["block_table"].long())
+        extra["paged"] = PagedKV(t["k_pages"], t["v_pages"], t["block_table"].long(),
+                                 t["k_descale"], t["v_descale"])
     return build_spec(q, k, v, opts, **extra), grad_tensors
 
 

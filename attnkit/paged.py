@@ -394,6 +394,12 @@ UNSUPPORTED = {
 }
 
 
+def _check_query_over_pages(q: Tensor, k_descale: Optional[Tensor]) -> None:
+    if k_descale is not None and q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q has dtype {q.dtype}; over fp8 pages q must be float32, bfloat16 or "
+                        f"float16 (the output has its dtype)")
+
+
 def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable], *,
                     return_lse: bool = False, backend: str = "auto", **options: Any) -> Any:
     """Attention of ``q (B, Hq, Lq, Dqk)`` over the cached keys/values of ``seq_ids`` (one
@@ -439,13 +445,12 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     block_table = _index_tensor("block_table", block_table, k_pages, torch.int32)
     seqlens_kv = _index_tensor("seqlens_kv", seqlens_kv, k_pages, torch.int32)
     if is_compiling():
-        if k_descale is not None or (isinstance(k_pages, Tensor) and k_pages.dtype in FP8_DTYPES):
-            raise NotImplementedError("fp8 pages are not supported under torch.compile yet; "
-                                      "call paged attention outside the compiled region")
         from . import compiled
 
+        kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)  # (shapes only)
+        _check_query_over_pages(q, kd)
         return compiled.paged(q, k_pages, v_pages, block_table, seqlens_kv, opts, return_lse,
-                              backend)
+                              backend, kd, vd)
     for name, x in (("q", q), ("block_table", block_table), ("seqlens_kv", seqlens_kv)):
         if isinstance(x, Tensor) and isinstance(k_pages, Tensor) and x.device != k_pages.device:
             raise ValueError(f"{name} is on {x.device} but the pages are on {k_pages.device}; "
@@ -456,9 +461,7 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
                          f"got {tuple(getattr(block_table, 'shape', ()))}")
     lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
     kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)
-    if kd is not None and (q.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
-        raise TypeError(f"q has dtype {q.dtype}; over fp8 pages q must be float32, bfloat16 or "
-                        f"float16 (the output has its dtype)")
+    _check_query_over_pages(q, kd)
     if lens.numel() and int(lens.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(lens.min())}")

@@ -13,7 +13,7 @@ import torch._dynamo.testing as dynamo_testing
 import torch.nn.attention.varlen  # noqa: F401 (torch.nn.attention.varlen.varlen_attn)
 
 import attnkit
-from attnkit import compiled, masks, ops, score_mods
+from attnkit import compiled, masks, native, ops, score_mods
 from attnkit.integrations import torch_varlen
 from attnkit.reference import attention_reference
 from attnkit.spec import Options
@@ -115,6 +115,19 @@ def test_varlen_and_paged_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.attnkit.attention.default,
                           (qd, k_stub, v_stub, p.grad_tensors, p.tensors,
                            ops._to_json(p.config)))
+    k8, v8 = k_pages.to(torch.float8_e4m3fn), v_pages.to(torch.float8_e4m3fn)  # fp8 pages
+    k_stub, v_stub = ops.stand_ins(k8, v8, table, dtype=qd.dtype)
+    p = ops.pack("paged", qd, k_stub, v_stub, Options(causal=True, diagonal="bottom_right"),
+                 backend="decode", extra={"k_pages": k8, "v_pages": v8, "block_table": table,
+                                          "k_descale": torch.full((6, 2), 0.5),
+                                          "v_descale": torch.full((6, 2), 2.0)})
+    p.slots["seqlens_kv"] = lens
+    # (test_schema multiplies the tensor arguments, which torch cannot do in fp8)
+    torch.library.opcheck(torch.ops.attnkit.attention.default,
+                          (qd, k_stub, v_stub, p.grad_tensors, p.tensors,
+                           ops._to_json(p.config)),
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
 
 
 # ---- a Llama-style block under torch.compile(fullgraph=True) --------------------------------
@@ -246,6 +259,44 @@ def test_paged_decode_compiles_to_one_graph():
                                   v[b:b + 1, :, :n].double(), causal=True,
                                   diagonal="bottom_right")
         torch.testing.assert_close(got[b:b + 1].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernel unavailable")
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_paged_decode_compiles_to_one_graph(fmt, monkeypatch):
+    """fp8 pages with their (page, kv head) descales inside torch.compile: one graph, the
+    kernel reads the fp8 pages (no gathered copy), the eager result bit for bit."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    cache = attnkit.PagedKVCache(8, 4, 2, 16, dtype=fmt)
+    for sid, n in (("a", 9), ("b", 14)):
+        cache.allocate(sid)
+        cache.append(sid, torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g))
+    table, lens = cache.block_table(["a", "b"])
+    q = torch.randn(2, 4, 1, 16, generator=g).bfloat16()
+    pages_seen = []
+    real = native.DecodeCall.run
+
+    def run(self, q, k_pages, *args, **kwargs):
+        pages_seen.append(k_pages.dtype)
+        return real(self, q, k_pages, *args, **kwargs)
+
+    monkeypatch.setattr(native.DecodeCall, "run", run)
+
+    def step(q, k_pages, v_pages, k_descale, v_descale):
+        return attnkit.paged_attention_blocks(q, k_pages, v_pages, table, lens,
+                                              k_descale=k_descale, v_descale=v_descale)
+
+    args = (q, cache.k_pages, cache.v_pages, cache.k_descale, cache.v_descale)
+    counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    got = torch.compile(step, backend=counter, fullgraph=True)(*args)
+    assert counter.frame_count == 1 and got.dtype == torch.bfloat16
+    assert pages_seen and set(pages_seen) == {fmt}
+    torch.testing.assert_close(got, step(*args), rtol=0, atol=0)
+    k, v = cache.gather(["a", "b"], dtype=torch.float64)
+    ref = attention_reference(q.double(), k, v, seqlens_kv=lens, causal=True,
+                              diagonal="bottom_right")
+    torch.testing.assert_close(got.double(), ref, rtol=0.02, atol=0.02)
 
 
 def test_inductor_compiles_the_block():
