@@ -219,8 +219,8 @@ def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]) -> 
             lengths = _cached(_FULL_LENGTHS, (n, lk, q.device),
                               lambda: torch.full((n,), lk, dtype=torch.int64))
         try:
-            out, _ = call.run(q, k.transpose(1, 2), v.transpose(1, 2), table, lengths, lk,
-                              starts=starts, want_lse=False)
+            out, _ = call.run(q, k, v, table, lengths, lk, starts=starts, want_lse=False,
+                              heads_first=True)
         except ValueError:
             return None
         return out if out.dtype == q.dtype else out.to(q.dtype)

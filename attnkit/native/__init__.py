@@ -460,14 +460,21 @@ class DecodeCall:
     def run(self, q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
             seqlens: Tensor, keys: int, *, starts: Optional[Tensor] = None,
             alibi_slopes: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
-            v_descale: Optional[Tensor] = None,
-            want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+            v_descale: Optional[Tensor] = None, want_lse: bool = True,
+            heads_first: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
         """``out (B, Hq, Lq, Dv)`` and ``lse (B, Hq, Lq)``, float32, for sequences of at most
         ``keys`` keys (which sets the key splits; a longer one is refused: ValueError); lse
-        is None with ``want_lse=False`` (when the key splits do not need it either). See
-        :func:`paged_decode` for the rest."""
+        is None with ``want_lse=False`` (when the key splits do not need it either).
+        ``heads_first``: the pages are given as ``(num_pages, Hkv, page_size, D)`` (a
+        contiguous cache ``(N, Hkv, Lk, D)``, each batch row one page) rather than token-major.
+        See :func:`paged_decode` for the rest."""
         bsz, hq, lq, d = q.shape
-        num_pages, page_size, hkv, _ = k_pages.shape
+        ks, vs = k_pages.stride(), v_pages.stride()
+        if heads_first:
+            num_pages, hkv, page_size, _ = k_pages.shape
+            ks, vs = (ks[0], ks[2], ks[1]), (vs[0], vs[2], vs[1])
+        else:
+            num_pages, page_size, hkv, _ = k_pages.shape
         dv = v_pages.shape[3]
         keys = max(1, keys)
         splits = _splits(bsz, keys, self.threads) if self.splits is None else self.splits
@@ -497,10 +504,11 @@ class DecodeCall:
             slopes = slopes.contiguous()
         # the kernel's integer arguments (K and V strides, dims, q's strides) in one cached
         # int64 tensor: the same shapes recur from layer to layer and step to step in decoding
-        base = _int64_args(tuple(k_pages.stride()[:3]) + tuple(v_pages.stride()[:3])
+        base = _int64_args(tuple(ks[:3]) + tuple(vs[:3])
                            + (bsz, hq, hkv, lq, d, dv, page_size, num_pages)
                            + tuple(q.stride()[:3])).data_ptr()
-        out = torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32)
+        out = (torch.empty(bsz, hq, lq, dv, dtype=torch.float32) if splits == 1
+               else torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32))
         lse = (torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
                if want_lse or splits > 1 else None)
         rc = self.lib.attnkit_decode(
@@ -520,8 +528,8 @@ class DecodeCall:
                 "the callers' checks (attnkit.pages) explain such input")
         if rc != 0:
             raise MemoryError("native decode kernel could not allocate its scratch buffers")
-        if splits == 1:
-            return out[0], None if lse is None else lse[0]
+        if splits == 1:  # (out is (B, Hq, Lq, Dv) already)
+            return out, None if lse is None else lse[0]
         from ..merge import merge_states
 
         return merge_states(out, lse)
