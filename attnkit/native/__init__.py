@@ -357,9 +357,8 @@ def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor, grad_ok: bool = 
 #: a decode call with the default thread count runs on the calling thread alone, about 100 us
 #: of one core's work: waking a pool thread costs tens of microseconds, and inside a model
 #: torch's own OpenMP threads are still spinning on the other cores after their last op
-#: (greedy generation of a 4-layer Llama, 2 x 256 prompt tokens + 64 new, 2 cores, its decode
-#: calls about 25 us: 1.017x / 1.019x of sdpa's tokens/s on one thread against 1.026x / 0.984x
-#: on two, unpadded / left-padded, medians of 20 rotated rounds).
+#: (greedy generation of a 4-layer Llama, 2 x 256 prompt tokens + 64, 2 cores: 0.90x of sdpa's
+#: tokens/s with its 25 us decode calls on two threads, 1.03x on one, 8 interleaved rounds).
 SMALL_CALL = 2 ** 21
 
 
