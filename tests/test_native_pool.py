@@ -99,17 +99,15 @@ def test_thread_counts_give_one_result_equal_to_the_oracle(dtype):
 def test_paged_attention_follows_torch_set_num_threads(dtype, torch_threads):
     """The public front door over a PagedKVCache whose sequences' pages interleave, with
     ``torch.set_num_threads(t)`` before each call: the decode step runs on ``t`` threads
-    (read back from the pool), gives the same bits for every ``t`` and matches the oracle.
-    (Long enough, above native.SMALL_CALL, that the default thread count applies.)"""
-    batch, page, keys = 4, 16, 4 * KEYS
-    q, k, v, _ = _problem(3, batch=batch, keys=keys, dtype=dtype)
-    lens = torch.tensor([keys, 1053, 804, 1160])
-    assert batch * HQ * 2 * D * keys >= native.SMALL_CALL
-    cache = attnkit.PagedKVCache(num_pages=batch * (keys // page + 1), page_size=page,
+    (read back from the pool), gives the same bits for every ``t`` and matches the oracle."""
+    batch, page = 4, 16
+    q, k, v, _ = _problem(3, batch=batch, dtype=dtype)
+    lens = torch.tensor([KEYS, 263, 201, 290])
+    cache = attnkit.PagedKVCache(num_pages=batch * (KEYS // page + 1), page_size=page,
                                  num_kv_heads=HKV, head_dim=D, dtype=dtype)
     for b in range(batch):
         cache.allocate(b)
-    for start in range(0, keys, page):  # one page of each sequence in turn
+    for start in range(0, KEYS, page):  # one page of each sequence in turn
         for b in range(batch):
             end = min(start + page, int(lens[b]))
             if end > start:
@@ -128,7 +126,7 @@ def test_paged_attention_follows_torch_set_num_threads(dtype, torch_threads):
     for out in results[1:]:
         assert torch.equal(out, results[0])
     ref = attention_reference(q.double(), k.double(), v.double(), seqlens_kv=lens, scale=SCALE)
-    keep = (torch.arange(keys) < lens[:, None])[:, None, None, :]
+    keep = (torch.arange(KEYS) < lens[:, None])[:, None, None, :]
     ok, err, base = fa_tolerance_ok(results[0], ref, naive_attention(q, k, v, mask=keep,
                                                                       scale=SCALE))
     assert ok, (err, base)
@@ -409,23 +407,3 @@ def test_bad_arguments_are_refused_before_any_work():
     out2, lse2 = native.paged_decode(q, kp, vp, padded, torch.tensor([40, 32]), scale=SCALE,
                                      causal=False)
     assert torch.equal(out2[0], out[0])
-
-
-def test_small_calls_with_the_default_thread_count_run_on_the_caller():
-    """Below native.SMALL_CALL multiply-adds a decode call left to torch's thread count runs on
-    the calling thread alone (waking a thread costs more than it saves there); above it, and
-    for any call given its threads, the pool is used; the bits are the same either way."""
-    small = _problem(40, batch=2, keys=KEYS)   # 2 * 8 * 128 * 300: below the threshold
-    large = _problem(41, batch=6, keys=8 * KEYS)
-    assert 2 * HQ * 2 * D * KEYS < native.SMALL_CALL <= 6 * HQ * 2 * D * (8 * KEYS) // 2
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for problem, want in ((small, 1), (large, 2)):
-            out, lse = native.dense_decode(*problem[:3], SCALE, seqlens=problem[3])
-            assert native.pool_stats()["last_threads"] == want
-            forced, forced_lse = _decode(*problem, 2)
-            assert native.pool_stats()["last_threads"] == 2
-            assert torch.equal(out, forced) and torch.equal(lse, forced_lse)
-    finally:
-        torch.set_num_threads(threads)

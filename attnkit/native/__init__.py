@@ -353,15 +353,6 @@ def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor, grad_ok: bool = 
     return reasons
 
 
-#: Multiply-adds (scores and P V over the longest sequence's keys, every batch row) below which
-#: a decode call with the default thread count runs on the calling thread alone, about 100 us
-#: of one core's work: waking a pool thread costs tens of microseconds, and inside a model
-#: torch's own OpenMP threads are still spinning on the other cores after their last op
-#: (greedy generation of a 4-layer Llama, 2 x 256 prompt tokens + 64, 2 cores: 0.90x of sdpa's
-#: tokens/s with its 25 us decode calls on two threads, 1.03x on one, 8 interleaved rounds).
-SMALL_CALL = 2 ** 21
-
-
 def _splits(batch: int, keys: int, threads: int) -> int:
     """Key splits per sequence (flash-decoding): enough work items to give every thread one,
     each split at least 1024 keys long so the merge stays cheap."""
@@ -441,8 +432,8 @@ class DecodeCall:
     and score terms, the threads. :meth:`run` takes the tensors; a decoding loop prepares one
     and runs it every step (see :func:`attnkit.backends.decode.replay`)."""
 
-    __slots__ = ("lib", "scale", "splits", "threads", "small_alone", "bf16_dot", "fp8", "code",
-                 "flags", "softcap")
+    __slots__ = ("lib", "scale", "splits", "threads", "bf16_dot", "fp8", "code", "flags",
+                 "softcap")
 
     def __init__(self, q: Tensor, kv_dtype: torch.dtype, *, scale: float, causal: bool = True,
                  diagonal: str = "bottom_right",
@@ -452,10 +443,7 @@ class DecodeCall:
         self.lib = _lib()
         if self.lib is None:
             raise NotImplementedError(f"native kernel unavailable: {_state['reason']}")
-        #: threads=None: torch's thread count, and the calling thread alone for a small call
-        #: (see :data:`SMALL_CALL`); a given count is the kernel's limit as it stands
         self.threads = torch.get_num_threads() if threads is None else max(1, int(threads))
-        self.small_alone = threads is None
         self.splits = None if splits is None else int(splits)
         self.scale = float(scale)
         # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale
@@ -489,10 +477,7 @@ class DecodeCall:
             num_pages, page_size, hkv, _ = k_pages.shape
         dv = v_pages.shape[3]
         keys = max(1, keys)
-        threads = self.threads
-        if self.small_alone and bsz * hq * lq * (d + dv) * keys < SMALL_CALL:
-            threads = 1
-        splits = _splits(bsz, keys, threads) if self.splits is None else self.splits
+        splits = _splits(bsz, keys, self.threads) if self.splits is None else self.splits
         splits = max(1, min(splits, keys))
         per_split = -(-keys // splits)
         if splits > 1:
@@ -534,7 +519,7 @@ class DecodeCall:
             first.data_ptr() if first is not None else None, base + 6 * 8, splits,
             per_split, self.code, *self.flags, self.softcap,
             slopes.data_ptr() if slopes is not None else None, out.data_ptr(),
-            lse.data_ptr() if lse is not None else None, threads)
+            lse.data_ptr() if lse is not None else None, self.threads)
         if rc == 2:
             raise ValueError(
                 "native decode kernel refused its arguments (a page index outside [0, "
