@@ -123,3 +123,20 @@ def fresh_native(monkeypatch):
 @pytest.fixture
 def reference():
     return attention_reference
+
+
+@pytest.fixture
+def kernel_pages(monkeypatch):
+    """The dtype of the K pages each native decode call was given, call by call (what the
+    kernel read: fp8 pages in place, or a dequantized copy)."""
+    from attnkit import native
+
+    seen = []
+    real = native.DecodeCall.run
+
+    def run(self, q, k_pages, *args, **kwargs):
+        seen.append(k_pages.dtype)
+        return real(self, q, k_pages, *args, **kwargs)
+
+    monkeypatch.setattr(native.DecodeCall, "run", run)
+    return seen

@@ -263,7 +263,7 @@ def test_paged_decode_compiles_to_one_graph():
 
 @pytest.mark.skipif(not native.available(), reason="native kernel unavailable")
 @pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_paged_decode_compiles_to_one_graph(fmt, monkeypatch):
+def test_fp8_paged_decode_compiles_to_one_graph(fmt, kernel_pages):
     """fp8 pages with their (page, kv head) descales inside torch.compile: one graph, the
     kernel reads the fp8 pages (no gathered copy), the eager result bit for bit."""
     torch._dynamo.reset()
@@ -274,15 +274,7 @@ def test_fp8_paged_decode_compiles_to_one_graph(fmt, monkeypatch):
         cache.append(sid, torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g))
     table, lens = cache.block_table(["a", "b"])
     q = torch.randn(2, 4, 1, 16, generator=g).bfloat16()
-    pages_seen = []
-    real = native.DecodeCall.run
-
-    def run(self, q, k_pages, *args, **kwargs):
-        pages_seen.append(k_pages.dtype)
-        return real(self, q, k_pages, *args, **kwargs)
-
-    monkeypatch.setattr(native.DecodeCall, "run", run)
-
+    pages_seen = kernel_pages
     def step(q, k_pages, v_pages, k_descale, v_descale):
         return attnkit.paged_attention_blocks(q, k_pages, v_pages, table, lens,
                                               k_descale=k_descale, v_descale=v_descale)

@@ -32,19 +32,6 @@ def _deq(x8, d):
     return x8.double() * d
 
 
-def _kernel_pages(monkeypatch):
-    """The dtypes of the K pages the decode kernel was given, call by call."""
-    seen = []
-    real = native.DecodeCall.run
-
-    def run(self, q, k_pages, *args, **kwargs):
-        seen.append(k_pages.dtype)
-        return real(self, q, k_pages, *args, **kwargs)
-
-    monkeypatch.setattr(native.DecodeCall, "run", run)
-    return seen
-
-
 def _dequantized_kv(monkeypatch):
     """The shapes of the tensors dequantized by the native pass, call by call."""
     seen = []
@@ -70,9 +57,10 @@ OPTIONS = [dict(causal=True, diagonal="bottom_right"),
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 @pytest.mark.parametrize("lq", [1, 3])
-def test_a_decoding_step_reads_the_fp8_cache_in_place(kw, fmt, granularity, lq, monkeypatch):
+def test_a_decoding_step_reads_the_fp8_cache_in_place(kw, fmt, granularity, lq, monkeypatch,
+                                                     kernel_pages):
     (q8, dq), (k8, dk), (v8, dv) = _inputs(fmt, granularity, lq=lq)
-    pages, dequantized = _kernel_pages(monkeypatch), _dequantized_kv(monkeypatch)
+    pages, dequantized = kernel_pages, _dequantized_kv(monkeypatch)
     with torch.no_grad():
         out = attnkit.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, **kw)
     assert pages == [fmt]  # the kernel read the fp8 cache itself
@@ -86,9 +74,9 @@ def test_a_decoding_step_reads_the_fp8_cache_in_place(kw, fmt, granularity, lq, 
     assert ok, (err, bound)
 
 
-def test_out_dtype_and_fp8_output_follow_the_options(monkeypatch):
+def test_out_dtype_and_fp8_output_follow_the_options(kernel_pages):
     (q8, dq), (k8, dk), (v8, dv) = _inputs(E4M3, "head")
-    pages = _kernel_pages(monkeypatch)
+    pages = kernel_pages
     kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, causal=True, diagonal="bottom_right")
     with torch.no_grad():
         f32 = attnkit.attention(q8, k8, v8, out_dtype=torch.float32, **kw)
@@ -101,9 +89,9 @@ def test_out_dtype_and_fp8_output_follow_the_options(monkeypatch):
     assert bool(((o8.double() / 4 - ref).abs() <= ref.abs() * 2 ** -4 + 1e-3).all())
 
 
-def test_what_the_in_place_read_cannot_take_is_dequantized_as_before(monkeypatch):
+def test_what_the_in_place_read_cannot_take_is_dequantized_as_before(kernel_pages):
     (q8, dq), (k8, dk), (v8, dv) = _inputs(E4M3, "tensor")
-    pages = _kernel_pages(monkeypatch)
+    pages = kernel_pages
     kw = dict(descale_q=dq, descale_v=dv, causal=True, diagonal="bottom_right")
     learnable = dk.clone().requires_grad_(True)
     out = attnkit.attention(q8, k8, v8, descale_k=learnable, **kw)  # its gradient
