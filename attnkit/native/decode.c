@@ -971,11 +971,8 @@ static void dq_worker(void *arg, int worker, int nworkers) {
     ak_dq_job *p = (ak_dq_job *)arg;
     (void)worker;
     (void)nworkers;
-    for (;;) {
-        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * AK_DQ_BLOCK;
-        if (a >= p->n) return;
-        dq_range(p, a, a + AK_DQ_BLOCK < p->n ? a + AK_DQ_BLOCK : p->n);
-    }
+    int64_t a, e;
+    while (ak_next_block(&p->next, AK_DQ_BLOCK, p->n, &a, &e)) dq_range(p, a, e);
 }
 
 /* Returns 0, or 2 (AK_BAD_ARGS, nothing written) for arguments it cannot run. */

@@ -21,4 +21,14 @@ typedef void (*ak_pool_fn)(void *ctx, int worker, int nworkers);
  * finds the pool in use runs all its indices on its own thread. */
 __attribute__((visibility("hidden"))) void ak_pool_run(ak_pool_fn fn, void *ctx, int n);
 
+/* The next block [*a, *e) of `block` elements out of [0, n), taken from the shared counter
+ * *next (atomically, so every worker of a call may take blocks); 0 when none is left. */
+static inline int ak_next_block(int64_t *next, int64_t block, int64_t n, int64_t *a,
+                                int64_t *e) {
+    *a = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) * block;
+    if (*a >= n) return 0;
+    *e = *a + block < n ? *a + block : n;
+    return 1;
+}
+
 #endif

@@ -59,22 +59,16 @@ static void softcap_forward_worker(void *arg, int worker, int nworkers) {
     sc_job *p = (sc_job *)arg;
     (void)worker;
     (void)nworkers;
-    for (;;) {
-        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * SC_BLOCK;
-        if (a >= p->n) return;
-        softcap_forward_range(p, a, a + SC_BLOCK < p->n ? a + SC_BLOCK : p->n);
-    }
+    int64_t a, e;
+    while (ak_next_block(&p->next, SC_BLOCK, p->n, &a, &e)) softcap_forward_range(p, a, e);
 }
 
 static void softcap_backward_worker(void *arg, int worker, int nworkers) {
     sc_job *p = (sc_job *)arg;
     (void)worker;
     (void)nworkers;
-    for (;;) {
-        const int64_t a = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED) * SC_BLOCK;
-        if (a >= p->n) return;
-        softcap_backward_range(p, a, a + SC_BLOCK < p->n ? a + SC_BLOCK : p->n);
-    }
+    int64_t a, e;
+    while (ak_next_block(&p->next, SC_BLOCK, p->n, &a, &e)) softcap_backward_range(p, a, e);
 }
 
 /* threads for n elements: at most `threads`, each with SC_WORK_PER_THREAD elements or more */
