@@ -19,7 +19,8 @@ from .fp8 import (
     finish_output,
     is_fp8,
 )
-from .ops import is_compiling, stand_ins
+from .ops import is_compiling
+from .paged import paged_spec
 from .score_terms import index_grid
 from .spec import AttentionSpec, Options, PagedKV, band, build_spec
 
@@ -204,13 +205,10 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
     pages = PagedKV(k.transpose(1, 2), v.transpose(1, 2),
                     torch.arange(n, device=q.device).view(n, 1),
                     cache_descales("k", k, opts.descale_k), cache_descales("v", v, opts.descale_v))
-    real_q = dequantize_query(q, opts.descale_q, hkv, out_dtype)
-    k_stub, v_stub = stand_ins(pages.k_pages, pages.v_pages, pages.block_table, real_q.dtype)
     lengths = opts.seqlens_kv if opts.seqlens_kv is not None else torch.full(
         (n,), lk, dtype=torch.int64, device=q.device)
-    spec = build_spec(real_q, k_stub, v_stub, opts.merged(
-        descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted,
-        paged=pages)
+    spec = paged_spec(dequantize_query(q, opts.descale_q, hkv, out_dtype), pages, opts.merged(
+        descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted)
     return spec if backends.choose(spec) is backends.REGISTRY["decode"] else None
 
 
@@ -226,7 +224,8 @@ _REPLAYS: dict = {}
 def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional[tuple]:
     """What a call that the decode executor can replay has in common with the next decoding
     step's call (everything but the number of cached keys and the cache's strides), or None
-    when this call cannot be replayed: a tensor subclass, not CPU, not 4-D, an option beyond
+    when this call cannot be replayed: a tensor subclass, not CPU, not 4-D, more query rows
+    than the decode executor takes, an option beyond
     :data:`_REPLAY_OPTIONS`, gradients wanted, autocast, a torch.func transform or
     forward-mode AD, or torch.compile tracing. (An unhashable option value makes the key
     unhashable: the caller's lookup then says no.)"""
@@ -234,6 +233,8 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional
         return None
     if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return None  # (the decode executor replays CPU calls only)
+    if q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows:
+        return None  # (more query rows than decoding takes: no launcher, so no key)
     if is_compiling():
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -394,6 +394,17 @@ UNSUPPORTED = {
 }
 
 
+def paged_spec(q: Tensor, pages: PagedKV, opts: Options,
+               outputs: frozenset = frozenset()) -> Any:
+    """The spec of a call over K/V read in place from ``pages`` (``opts`` carrying each
+    sequence's length as ``seqlens_kv``): the spec sees zero-stride stand-ins of the gathered
+    shape, in q's dtype for fp8 pages, so every option is validated as for a dense call and
+    nothing is allocated."""
+    k_stub, v_stub = stand_ins(pages.k_pages, pages.v_pages, pages.block_table,
+                               dtype=q.dtype if pages.k_descale is not None else None)
+    return build_spec(q, k_stub, v_stub, opts, paged=pages, outputs=outputs)
+
+
 def _check_query_over_pages(q: Tensor, k_descale: Optional[Tensor]) -> None:
     if k_descale is not None and q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"q has dtype {q.dtype}; over fp8 pages q must be float32, bfloat16 or "
@@ -468,10 +479,8 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if backend in ("auto", "decode"):
         # the keys and values stay in their pages: the spec sees zero-stride stand-ins of the
         # gathered shape, so every option is validated as for a dense call (nothing allocated)
-        k_stub, v_stub = stand_ins(k_pages, v_pages, block_table,
-                                   dtype=q.dtype if kd is not None else None)
-        spec = build_spec(q, k_stub, v_stub, opts.merged(seqlens_kv=lens),
-                          paged=PagedKV(k_pages, v_pages, block_table.long(), kd, vd))
+        spec = paged_spec(q, PagedKV(k_pages, v_pages, block_table.long(), kd, vd),
+                          opts.merged(seqlens_kv=lens))
         if backends.choose(spec, backend) is not None:
             out, lse, _ = _execute(spec, backend)
             return (out, lse) if return_lse else out
