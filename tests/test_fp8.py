@@ -546,13 +546,110 @@ def test_fp8_kernel_refuses_missing_descales_itself():
     assert call(d.data_ptr(), d.data_ptr(), lse_ptr=None) == 0  # one split needs no LSE
     assert call(None, None) == 2
     assert call(d.data_ptr(), None) == 2
-    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=1) == 2
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=1) == 2  # needs bfloat16 q, D % 32 == 0
     assert call(d.data_ptr(), d.data_ptr(), q_dtype=3) == 2  # q is never fp8
     assert call(d.data_ptr(), d.data_ptr(), dims=bad_q) == 2
     assert call(d.data_ptr(), d.data_ptr(), splits=2, lse_ptr=None) == 2
     assert call(d.data_ptr(), d.data_ptr(), dtype=1) == 2  # descales on bf16 pages
     assert call(d.data_ptr(), d.data_ptr()) == 0
     assert call(None, None, dtype=5) == 2
+
+
+# ---- fp8 pages by table (bfloat16 queries) --------------------------------------------------
+
+
+def _pages_oracle(q, k8, v8, kd, vd, bt, lens, window=None):
+    """float64 decode of q (B, Hq, Lq, D) over fp8 pages times their (page, head) descales,
+    the last Lq positions of each sequence, causal (bottom right) within an optional left
+    window."""
+    bsz, hq, lq, d = q.shape
+    hkv = k8.shape[2]
+    out = torch.zeros(bsz, hq, lq, v8.shape[3], dtype=torch.float64)
+    for b in range(bsz):
+        pages = bt[b]
+        kk = (k8[pages].double() * kd[pages].double()[:, None, :, None]).flatten(0, 1)
+        vv = (v8[pages].double() * vd[pages].double()[:, None, :, None]).flatten(0, 1)
+        n = int(lens[b])
+        kk = kk[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vv = vv[:n].repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        s = (q[b].double() @ kk.transpose(1, 2)) * d ** -0.5
+        i = torch.arange(n - lq, n)[:, None]
+        j = torch.arange(n)[None]
+        keep = j <= i
+        if window is not None:
+            keep &= j >= i - window
+        out[b] = s.masked_fill(~keep, float("-inf")).softmax(-1) @ vv
+    return out
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("hq,hkv,d,dv,page,lq,window", [
+    (32, 8, 128, 128, 16, 1, None),  # the decode case: 4 rows a kv head
+    (6, 2, 96, 64, 7, 1, None),      # 3 rows a head (the single-row loops), odd blocks of 32
+    (4, 2, 64, 48, 5, 3, None),      # values not in blocks of 32: P V by conversion
+    (8, 2, 32, 32, 16, 2, 9),        # a window: rows that see part of a chunk
+])
+def test_fp8_pages_by_table_match_the_conversion_and_the_oracle(dtype, hq, hkv, d, dv, page,
+                                                               lq, window, monkeypatch):
+    """With bfloat16 queries the kernel converts fp8 pages by table (keys into the bfloat16
+    dot products, values to float32): the result is the float32 conversion path's and the
+    float64 oracle's on the dequantized pages, per-(page, head) descales, odd page sizes,
+    sequences that end mid-chunk, GQA groups of 4 and of 3 rows, windows."""
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    g = torch.Generator().manual_seed(hq * 100 + d + lq)
+    lens = torch.tensor([203, 70, lq + 2])
+    cols = -(-int(lens.max()) // page)
+    num_pages = 3 * cols + 2
+    q = torch.randn(3, hq, lq, d, generator=g).bfloat16()
+    # every finite fp8 byte can turn up (denormals and the largest values among them)
+    k8 = (torch.randn(num_pages, page, hkv, d, generator=g) * 3).to(dtype)
+    v8 = (torch.randn(num_pages, page, hkv, dv, generator=g) * 3).to(dtype)
+    kd = torch.rand(num_pages, hkv, generator=g) + 0.5
+    vd = torch.rand(num_pages, hkv, generator=g) + 0.5
+    bt = torch.randperm(num_pages, generator=g)[:3 * cols].view(3, cols)
+    kw = dict(scale=d ** -0.5, k_descale=kd, v_descale=vd,
+              window=None if window is None else (window, 0))
+    table, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    info = native._state["info"]
+    assert native.DecodeCall(q, dtype, scale=1.0).bf16_dot == bool(info.get("fp8_dot"))
+    monkeypatch.setitem(info, "fp8_dot", False)
+    assert not native.DecodeCall(q, dtype, scale=1.0).bf16_dot
+    converted, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    ref = _pages_oracle(q, k8, v8, kd, vd, bt, lens, window)
+    tol = 2e-5 * ref.abs().max().item()
+    assert (table.double() - ref).abs().max().item() < tol
+    assert (converted.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fp8_table_gives_every_byte_its_value(dtype):
+    """One key, all of whose scores are 0: the output is its value row, so a value row that
+    holds each of the 256 bytes shows the table's value of every byte (NaN, e5m2's infinities,
+    signed zeros and denormals among them) against torch's own conversion; a NaN key byte
+    makes its rows NaN."""
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    q = torch.zeros(1, 4, 1, 32).bfloat16()
+    k8 = torch.zeros(1, 1, 1, 32, dtype=dtype)
+    v8 = torch.arange(256, dtype=torch.uint8).view(dtype).view(1, 1, 1, 256)
+    ones = torch.ones(1, 1)
+    bt = torch.zeros(1, 1, dtype=torch.int64)
+    out, _ = native.paged_decode(q, k8, v8, bt, torch.tensor([1]), scale=1.0, k_descale=ones,
+                                 v_descale=ones)
+    want = v8.float().view(256).expand(4, 256)
+    got = out.view(4, 256)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    nan_byte = torch.tensor([0x7F], dtype=torch.uint8).view(dtype)
+    k8[0, 0, 0, 5] = nan_byte[0]
+    out, _ = native.paged_decode(q, k8, v8, bt, torch.tensor([1]), scale=1.0, k_descale=ones,
+                                 v_descale=ones)
+    assert out.isnan().all()
 
 
 # ---- the benchmark's fp8 cases -------------------------------------------------------------

@@ -57,7 +57,7 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 8  # AK_ABI in decode.c
+_ABI = 9  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -252,6 +252,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_pool_check.restype = i64
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
+        info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
         return lib, None, info
     return None, f"building the native decode kernel failed: {info.get('error')}", info
 
@@ -448,8 +449,11 @@ class DecodeCall:
         self.scale = float(scale)
         # bfloat16 queries as given, for the vdpbf16ps dot products (exact products, scale
         # after)
-        self.bf16_dot = (q.dtype == torch.bfloat16 and kv_dtype == torch.bfloat16
-                         and q.shape[-1] % 32 == 0 and bool(_state["info"].get("bf16_dot")))
+        # (fp8 pages too where the kernel converts them by table: fp8_dot)
+        info = _state["info"]
+        dot_pages = kv_dtype == torch.bfloat16 or (kv_dtype in _FP8 and info.get("fp8_dot"))
+        self.bf16_dot = (q.dtype == torch.bfloat16 and bool(dot_pages)
+                         and q.shape[-1] % 32 == 0 and bool(info.get("bf16_dot")))
         self.fp8 = kv_dtype in _FP8
         self.code = _FP8[kv_dtype] if self.fp8 else _DTYPES[kv_dtype]
         left, right = (None, None) if window is None else window

@@ -30,7 +30,7 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 8
+#define AK_ABI 9
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
@@ -100,6 +100,11 @@ typedef struct {
     float *lse;                /* (splits, B, Hq, Lq) */
     int64_t ntasks;
     int64_t next;              /* task counter, taken with __atomic_fetch_add */
+    /* fp8 pages with bfloat16 dot products (AK_FP8DOT): the low and high bytes of the
+     * bfloat16 value of each fp8 byte without its sign (what load16 gives), and the byte
+     * orders that interleave them (fp8_tables) */
+    uint8_t tab[2][128];
+    uint8_t order[6][64];
 } ak_job;
 
 int attnkit_native_abi(void) { return AK_ABI; }
@@ -138,10 +143,17 @@ AK_INLINE ak_vf load16(const char *p, int dtype) {
     } else if (dtype == AK_F32) {
         memcpy(&f, p, sizeof f);
     } else if (dtype == AK_BF16) {
+#if defined(__AVX512F__)
+        /* one widening move and a shift (GCC split the vector-extension form into halves) */
+        const __m512i u = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p)), 16);
+        memcpy(&f, &u, sizeof f);
+#else
         ak_vu16 h;
         memcpy(&h, p, sizeof h);
         ak_vu32 u = __builtin_convertvector(h, ak_vu32) << 16;
         memcpy(&f, &u, sizeof f);
+#endif
     } else {
 #ifdef __FLT16_MAX__
         ak_vu16 h;
@@ -444,7 +456,7 @@ static void scale_rows(float *sc, const float *descale, float unit, int64_t Hkv,
 /* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
 typedef struct {
     float *acc, *sc, *m, *l, *slope, *q;
-    uint16_t *qh;
+    uint16_t *qh; /* q rows in bfloat16 */
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
 
@@ -497,6 +509,56 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
 }
 
 #ifdef AK_DPBF16
+/* the four rows' sums of (a0, a1, a2, a3) in 128-bit lane g (row g; all four elements) */
+AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+/* The body of a 4-row score loop over `len` keys (qv, NB, k, ks, len, scale, out in scope):
+ * LOAD(row) brings a key row in, KV(j) is its block j of 32 bfloat16. Four keys at a time
+ * share one multiply by the scale and four stores (key i's sums blended into element i of
+ * each row's 128-bit lane): storing each sum alone cost more than its dot product. */
+#define AK_DOT4(ROW, OUT, LOAD, KV)                                                        \
+    do {                                                                                   \
+        LOAD(ROW)                                                                          \
+        __m512 a_[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),     \
+                        _mm512_setzero_ps()};                                              \
+        for (int j_ = 0; j_ < NB; ++j_)                                                    \
+            for (int g_ = 0; g_ < 4; ++g_)                                                 \
+                a_[g_] = _mm512_dpbf16_ps(a_[g_], qv[g_][j_], KV(j_));                     \
+        (OUT) = sums4_dp(a_[0], a_[1], a_[2], a_[3]);                                      \
+    } while (0)
+#define AK_SCORE4_KEYS(LOAD, KV)                                                           \
+    const __m512 sv_ = _mm512_set1_ps(scale);                                              \
+    int64_t t = 0;                                                                         \
+    for (; t + 4 <= len; t += 4) {                                                         \
+        __m512 x0, x1, x2, x3;                                                             \
+        AK_DOT4(k + t * ks, x0, LOAD, KV);                                                 \
+        AK_DOT4(k + (t + 1) * ks, x1, LOAD, KV);                                           \
+        AK_DOT4(k + (t + 2) * ks, x2, LOAD, KV);                                           \
+        AK_DOT4(k + (t + 3) * ks, x3, LOAD, KV);                                           \
+        __m512 y = _mm512_mask_blend_ps(0x2222, x0, x1);                                   \
+        y = _mm512_mask_blend_ps(0x4444, y, x2);                                           \
+        y = _mm512_mul_ps(_mm512_mask_blend_ps(0x8888, y, x3), sv_);                       \
+        _mm_storeu_ps(out + t, _mm512_castps512_ps128(y));                                 \
+        _mm_storeu_ps(out + AK_CHUNK + t, _mm512_extractf32x4_ps(y, 1));                   \
+        _mm_storeu_ps(out + 2 * AK_CHUNK + t, _mm512_extractf32x4_ps(y, 2));               \
+        _mm_storeu_ps(out + 3 * AK_CHUNK + t, _mm512_extractf32x4_ps(y, 3));               \
+    }                                                                                      \
+    for (; t < len; ++t) {                                                                 \
+        __m512 x;                                                                          \
+        AK_DOT4(k + t * ks, x, LOAD, KV);                                                  \
+        float lanes_[16];                                                                  \
+        _mm512_storeu_ps(lanes_, _mm512_mul_ps(x, sv_));                                   \
+        for (int g = 0; g < 4; ++g) out[g * AK_CHUNK + t] = lanes_[4 * g];                 \
+    }
+
 /* the same with bfloat16 queries and keys in vdpbf16ps (D = NB * 32), times the scale */
 AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const uint16_t *q,
                               float scale, int NB, float *out) {
@@ -504,22 +566,168 @@ AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const 
     __m512bh qv[4][4];
     for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NB; ++j) qv[g][j] = ak_bh(q + g * D + j * 32);
-    for (int64_t t = 0; t < len; ++t) {
-        const uint16_t *row = k + t * ks;
-        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-        for (int j = 0; j < NB; ++j) {
-            const __m512bh kv = ak_bh(row + j * 32);
-            for (int g = 0; g < 4; ++g) a[g] = _mm512_dpbf16_ps(a[g], qv[g][j], kv);
+#define AK_LOAD16(ROW) const uint16_t *row_ = (ROW);
+#define AK_KV16(J) ak_bh(row_ + (J) * 32)
+    AK_SCORE4_KEYS(AK_LOAD16, AK_KV16)
+#undef AK_LOAD16
+#undef AK_KV16
+}
+#endif
+
+#if defined(AK_DPBF16) && defined(__AVX512VBMI__)
+#define AK_FP8DOT 1
+/* fp8 pages with bfloat16 queries: each fp8 byte becomes its exact value (the one load16
+ * gives: e4m3 times 2^-8) by two 128-entry byte tables, the low and high byte of its
+ * bfloat16 pattern, looked up with vpermi2b on the byte without its sign (the sign or-ed
+ * into the high byte); byte permutes then put the halves together as bfloat16 keys for the
+ * dot products, or as float32 values (exact, low bytes zero) for P V: 64 elements in six to
+ * eight instructions, where the float16 route took about eight for every 16. */
+typedef struct {
+    __m512i lo0, lo1, hi0, hi1; /* the tables */
+    __m512i w0, w1;             /* bytes 0-31 / 32-63 as 32 bfloat16 in order */
+    __m512i f[4];               /* bytes 16i..16i+15 as 16 float32 in order */
+} ak_tab;
+
+/* the tables and byte orders of an fp8 dtype into job (called before the workers start) */
+static void fp8_tables(ak_job *job) {
+    uint8_t bytes[128];
+    for (int i = 0; i < 128; ++i) bytes[i] = (uint8_t)i;
+    for (int i = 0; i < 128; i += AK_W) {
+        const ak_vf f = load16((const char *)bytes + i, job->dtype);
+        uint32_t u[AK_W];
+        memcpy(u, &f, sizeof u);
+        for (int j = 0; j < AK_W; ++j) {
+            job->tab[0][i + j] = (uint8_t)(u[j] >> 16); /* exact: at most 3 mantissa bits */
+            job->tab[1][i + j] = (uint8_t)(u[j] >> 24);
         }
-        ak_vf f[4];
-        for (int g = 0; g < 4; ++g) memcpy(&f[g], &a[g], sizeof(ak_vf));
-        float sums[4];
-        hsum4(f[0], f[1], f[2], f[3], sums, 1);
-        for (int g = 0; g < 4; ++g) out[g * AK_CHUNK + t] = scale * sums[g];
+    }
+    /* byte j of a result: 0-63 pick from the low bytes L, 64-127 from the high bytes H */
+    for (int j = 0; j < 64; ++j) {
+        const int e = j / 2, hi = (j & 1) * 64; /* word e = (L[e], H[e]) */
+        job->order[0][j] = (uint8_t)(hi + e);
+        job->order[1][j] = (uint8_t)(hi + 32 + e);
+        /* float32 e of block i: bytes (0, 0, L, H) of element 16i + e (the zeros by mask) */
+        for (int i = 0; i < 4; ++i)
+            job->order[2 + i][j] = (uint8_t)((j % 4 == 3 ? 64 : 0) + 16 * i + j / 4);
+    }
+}
+
+AK_INLINE ak_tab fp8_tab(const ak_job *job) {
+    ak_tab T;
+    T.lo0 = _mm512_loadu_si512((const void *)job->tab[0]);
+    T.lo1 = _mm512_loadu_si512((const void *)(job->tab[0] + 64));
+    T.hi0 = _mm512_loadu_si512((const void *)job->tab[1]);
+    T.hi1 = _mm512_loadu_si512((const void *)(job->tab[1] + 64));
+    T.w0 = _mm512_loadu_si512((const void *)job->order[0]);
+    T.w1 = _mm512_loadu_si512((const void *)job->order[1]);
+    for (int i = 0; i < 4; ++i) T.f[i] = _mm512_loadu_si512((const void *)job->order[2 + i]);
+    return T;
+}
+
+/* the low and high bytes of the bfloat16 values of the 64 fp8 bytes in x */
+AK_INLINE void fp8_halves(__m512i x, const ak_tab *T, __m512i *lo, __m512i *hi) {
+    *lo = _mm512_permutex2var_epi8(T->lo0, x, T->lo1);
+    /* hi | (x & 0x80): the sign */
+    *hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(T->hi0, x, T->hi1), x,
+                                    _mm512_set1_epi8((char)0x80), 0xF8);
+}
+
+/* fp8 key row `row` (NB * 32 bytes) as NB blocks of 32 bfloat16 */
+AK_INLINE void fp8_row_bh(const uint8_t *row, const ak_tab *T, int NB, __m512i *kv) {
+    __m512i lo, hi;
+    int j = 0;
+    for (; j + 1 < NB; j += 2) {
+        fp8_halves(_mm512_loadu_si512((const void *)(row + j * 32)), T, &lo, &hi);
+        kv[j] = _mm512_permutex2var_epi8(lo, T->w0, hi);
+        kv[j + 1] = _mm512_permutex2var_epi8(lo, T->w1, hi);
+    }
+    if (j < NB) {
+        const __m256i x = _mm256_loadu_si256((const void *)(row + j * 32));
+        fp8_halves(_mm512_zextsi256_si512(x), T, &lo, &hi);
+        kv[j] = _mm512_permutex2var_epi8(lo, T->w0, hi);
+    }
+}
+
+/* Scores of 4 bfloat16 query rows (D = NB * 32, in registers) against `len` fp8 key rows
+ * k + t * ks (bytes), times the scale, into out[g * AK_CHUNK + t] (as score4_keys_dp) */
+AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const uint16_t *q,
+                               float scale, int NB, const ak_tab *T, float *out) {
+    const int64_t D = (int64_t)NB * 32;
+    __m512bh qv[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) qv[g][j] = ak_bh(q + g * D + j * 32);
+#define AK_LOAD8(ROW)                                                                      \
+    __m512i kv_[4];                                                                        \
+    fp8_row_bh((ROW), T, NB, kv_);
+#define AK_KV8(J) ((__m512bh)kv_[J])
+    AK_SCORE4_KEYS(AK_LOAD8, AK_KV8)
+#undef AK_LOAD8
+#undef AK_KV8
+}
+
+/* acc_g += sum_t p[g * ps + t] * v_t for ROWS rows g (a constant where inlined), over n fp8
+ * value rows v_t = v + t * vstride (bytes), converted by table straight to float32 (exact,
+ * as load16 gives them), two tokens a table lookup */
+AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float *p, int64_t ps,
+                      int64_t Dv, const ak_tab *T, int ROWS, float *acc) {
+    const __mmask64 hi16 = 0xCCCCCCCCCCCCCCCCull; /* bytes 2, 3 of each float32 */
+    for (int64_t d = 0; d < Dv; d += 32) {
+        __m512 a[4][2], b[4][2];
+        for (int g = 0; g < ROWS; ++g) {
+            a[g][0] = _mm512_loadu_ps(acc + g * Dv + d);
+            a[g][1] = _mm512_loadu_ps(acc + g * Dv + d + 16);
+            b[g][0] = b[g][1] = _mm512_setzero_ps();
+        }
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+            const uint8_t *r0 = v + t * vstride + d;
+            const __m512i x = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const void *)r0)),
+                _mm256_loadu_si256((const void *)(r0 + vstride)), 1);
+            __m512i lo, hi;
+            fp8_halves(x, T, &lo, &hi);
+            const __m512 v0 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[0], hi);
+            const __m512 v1 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[1], hi);
+            const __m512 v2 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[2], hi);
+            const __m512 v3 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[3], hi);
+            for (int g = 0; g < ROWS; ++g) {
+                const __m512 w0 = _mm512_set1_ps(p[g * ps + t]);
+                const __m512 w1 = _mm512_set1_ps(p[g * ps + t + 1]);
+                a[g][0] = _mm512_fmadd_ps(w0, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(w0, v1, a[g][1]);
+                b[g][0] = _mm512_fmadd_ps(w1, v2, b[g][0]);
+                b[g][1] = _mm512_fmadd_ps(w1, v3, b[g][1]);
+            }
+        }
+        if (t < n) {
+            const uint8_t *r0 = v + t * vstride + d;
+            __m512i lo, hi;
+            fp8_halves(_mm512_zextsi256_si512(_mm256_loadu_si256((const void *)r0)), T, &lo,
+                       &hi);
+            const __m512 v0 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[0], hi);
+            const __m512 v1 = (__m512)_mm512_maskz_permutex2var_epi8(hi16, lo, T->f[1], hi);
+            for (int g = 0; g < ROWS; ++g) {
+                const __m512 w0 = _mm512_set1_ps(p[g * ps + t]);
+                a[g][0] = _mm512_fmadd_ps(w0, v0, a[g][0]);
+                a[g][1] = _mm512_fmadd_ps(w0, v1, a[g][1]);
+            }
+        }
+        for (int g = 0; g < ROWS; ++g) {
+            _mm512_storeu_ps(acc + g * Dv + d, _mm512_add_ps(a[g][0], b[g][0]));
+            _mm512_storeu_ps(acc + g * Dv + d + 16, _mm512_add_ps(a[g][1], b[g][1]));
+        }
     }
 }
 #endif
+
+/* 1 where fp8 pages go into the bfloat16 dot products (with bfloat16 queries) */
+int attnkit_native_has_fp8dot(void) {
+#ifdef AK_FP8DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* scores of `len` key rows (token stride ks, kv head stride kh, in elements) for every kv
  * head's rows, into sc columns from t (dtype a constant where this is inlined): groups of 4
@@ -540,6 +748,10 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 #endif
     if (groups && (dp || D <= 4 * AK_W)) {
         const int nb = (int)(dp ? D / 32 : D / AK_W);
+#ifdef AK_FP8DOT
+        ak_tab T;
+        if (dp && dtype >= AK_E4M3) T = fp8_tab(job);
+#endif
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const char *kh0 = k + h * kh * esz;
             for (int64_t g = 0; g < groups; ++g) {
@@ -547,6 +759,15 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
                 float *out = sc + r * AK_CHUNK;
 #ifdef AK_DPBF16
                 if (dp) {
+#ifdef AK_FP8DOT
+                    if (dtype >= AK_E4M3) { /* fp8 keys, by table (bf16_dot: AK_FP8DOT) */
+#define AK_DP8(NB) score4_keys_dp8((const uint8_t *)kh0, ks, len, qhb + r * D, job->scale, NB, \
+                                   &T, out)
+                        AK_NB_CASES(AK_DP8)
+#undef AK_DP8
+                        continue;
+                    }
+#endif
 #define AK_DP(NB) score4_keys_dp((const uint16_t *)kh0, ks, len, qhb + r * D, job->scale, NB, \
                                  out)
                     AK_NB_CASES(AK_DP)
@@ -566,7 +787,8 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const int64_t r = h * rows_per_head + first;
             score_head(k + (tt * ks + h * kh) * esz, dtype, qb + r * D,
-                       qhb ? qhb + r * D : NULL, job->scale, D, rows_per_head - first,
+                       qhb && dtype == AK_BF16 ? qhb + r * D : NULL, job->scale, D,
+                       rows_per_head - first,
                        sc + r * AK_CHUNK + tt, AK_CHUNK);
         }
 }
@@ -620,6 +842,12 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
      * given in bfloat16 for the dot products (exact products, the scale after) */
     float *qb = w->q;
     uint16_t *qhb = job->bf16_dot ? w->qh : NULL;
+#ifdef AK_FP8DOT
+    /* fp8 pages by table (keys into the dot products, values to float32; Dv % 32 == 0) */
+    const int fp8dot = job->bf16_dot && dtype >= AK_E4M3 && Dv % 32 == 0;
+    ak_tab T;
+    if (fp8dot) T = fp8_tab(job);
+#endif
     const int qesz = AK_ESZ(job->q_dtype);
     for (int64_t r = 0; r < R; ++r) {
         const char *src = job->q + (b * job->qs_b + (r / Lq) * job->qs_h
@@ -743,6 +971,18 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 const char *vh = vbase + h * job->vs_head * esz;
                 int whole = 1;
                 for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
+#ifdef AK_FP8DOT
+                if (whole && fp8dot) { /* fp8 values by table */
+                    const uint8_t *v8 = (const uint8_t *)vh;
+                    const float *pr = sc + r0 * AK_CHUNK + st;
+                    int64_t r = r0;
+                    for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
+                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv);
+                    for (; r < r1; ++r, pr += AK_CHUNK)
+                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv);
+                    continue;
+                }
+#endif
                 if (whole) {
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
                             AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv);
@@ -840,9 +1080,14 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 #endif
     const int fp8 = job->dtype >= AK_E4M3;
     if (fp8 != (job->kd != NULL) || fp8 != (job->vd != NULL)) return 1; /* descales iff fp8 */
+#ifdef AK_FP8DOT
+    const int dot_pages = job->dtype == AK_BF16 || fp8;
+#elif defined(AK_DPBF16)
+    const int dot_pages = job->dtype == AK_BF16;
+#endif
 #ifdef AK_DPBF16
-    if (job->bf16_dot && (job->dtype != AK_BF16 || job->q_dtype != AK_BF16 || job->D % 32))
-        return 1; /* bf16 dot products need bf16 q and keys */
+    if (job->bf16_dot && (!dot_pages || job->q_dtype != AK_BF16 || job->D % 32))
+        return 1; /* bf16 dot products need bf16 q and bf16 (or, AK_FP8DOT, fp8) keys */
 #else
     if (job->bf16_dot) return 1;
 #endif
@@ -894,6 +1139,9 @@ int attnkit_decode(const void *q, int q_dtype, int bf16_dot, float scale, const 
         .ntasks = 0, .next = 0,
     };
     if (check_args(&job, dims[7])) return AK_BAD_ARGS;
+#ifdef AK_FP8DOT
+    if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
+#endif
     job.ntasks = job.B * job.splits;
     if (job.ntasks == 0) return 0;
     /* threads only where each gets enough work to repay waking it: multiply-adds of the
