@@ -7,12 +7,14 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
+from . import backends, ops
 from .api import _execute
 from .checks import autocast_inputs, check_cu
+from .fp8 import cache_descales, check_out_dtype, dequantize_query, is_fp8
 from .mods import remap
 from .ops import is_compiling
-from .spec import Options, build_spec
+from .paged import paged_spec
+from .spec import _DEFAULT_OPTIONS, AttentionSpec, Options, PagedKV, _is_default, build_spec
 
 #: Options varlen_attention does not take, and why.
 UNSUPPORTED = {
@@ -65,11 +67,62 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
                                 ("max_seqlen_kv", max_seqlen_kv, cu_k.diff())):
             if lim is not None and lens.numel() and int(lens.max()) > lim:
                 raise ValueError(f"{name}={lim} but a sequence has length {int(lens.max())}")
+        found = _fp8_packed_in_place(q, k, v, cu_q, cu_k, opts, backend)
+        if found is not None:  # fp8 K/V read in place: (sequences, Hq, rows, Dv) out
+            spec, rows = found
+            out, lse, _ = _execute(spec, backend)
+            out = out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+            lse = lse.permute(1, 0, 2).reshape(q.shape[1], q.shape[0])
+            return (out, lse) if return_lse else out
         qt, kt, vt, opts, seg_q, seg_k, row_offset = _layout(q, k, v, cu_q, cu_k, opts)
         spec = build_spec(qt, kt, vt, opts, segments=(seg_q, seg_k), row_offset=row_offset)
         out, lse, _ = _execute(spec, backend)
     out = out[0].transpose(0, 1)
     return (out, lse[0]) if return_lse else out
+
+
+#: Options an fp8 packed call may carry and still read its K/V in place
+_IN_PLACE_OPTIONS = frozenset({"scale", "causal", "diagonal", "window", "softcap", "out_dtype",
+                               "descale_q", "descale_k", "descale_v"})
+
+
+def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
+                         opts: Options, backend: str) -> Optional[Tuple[AttentionSpec, int]]:
+    """Decoding over an fp8 packed cache: the spec of the call with K/V read in place
+    (the packed keys as one page of ``Tk`` tokens, sequence s's keys from ``cu_seqlens_kv[s]``
+    on, per-tensor or per-kv-head descales as the page's), each sequence a batch row of its
+    (equally many, at most the decode executor's) query rows; and that number of rows. None
+    when the call is not of that form or the decode executor would not run it: the caller
+    then dequantizes, as for any fp8 input."""
+    if backend not in ("auto", "decode") or not all(
+            type(x) is Tensor and is_fp8(x) for x in (q, k, v)) or not (
+            q.dtype == k.dtype == v.dtype):
+        return None
+    if any(not _is_default(getattr(opts, name), getattr(_DEFAULT_OPTIONS, name))
+           for name in Options.names() if name not in _IN_PLACE_OPTIONS):
+        return None
+    descales = (opts.descale_q, opts.descale_k, opts.descale_v)
+    if any(d is None for d in descales) or (torch.is_grad_enabled() and any(
+            isinstance(d, Tensor) and d.requires_grad for d in descales)):
+        return None
+    nseq = cu_q.numel() - 1
+    counts = cu_q.diff()
+    if nseq < 1 or q.shape[0] % nseq:
+        return None
+    rows = q.shape[0] // nseq
+    if rows > backends.REGISTRY["decode"].CAPS.max_query_rows or bool((counts != rows).any()):
+        return None
+    out_dtype, _ = check_out_dtype(opts.out_dtype, None)
+    hkv = k.shape[1]
+    kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, Tk, D)
+    qd = dequantize_query(q.transpose(0, 1).unsqueeze(0), opts.descale_q, hkv, out_dtype)
+    qb = qd[0].view(q.shape[1], nseq, rows, -1).transpose(0, 1)  # (sequences, Hq, rows, D)
+    table = torch.zeros(nseq, 1, dtype=torch.int64, device=q.device)
+    pages = PagedKV(k.unsqueeze(0), v.unsqueeze(0), table, cache_descales("k", kt, opts.descale_k),
+                    cache_descales("v", vt, opts.descale_v))
+    spec = paged_spec(qb, pages, opts.merged(descale_q=None, descale_k=None, descale_v=None,
+                                             seqlens_kv=cu_k[1:], starts_kv=cu_k[:-1]))
+    return (spec, rows) if backends.choose(spec) is backends.REGISTRY["decode"] else None
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Options

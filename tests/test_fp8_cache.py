@@ -115,3 +115,107 @@ def test_bad_fp8_cache_input_still_names_the_argument():
     with pytest.raises(TypeError, match="one fp8 format"):
         attnkit.attention(q8, k8, v8.to(torch.float32).to(E5M2), descale_q=dq, descale_k=dk,
                           descale_v=dv)
+
+
+# ---- packed (varlen) fp8 caches ------------------------------------------------------------
+
+LENS_K = [50, 7, 130, 1]
+
+
+def _packed(fmt, granularity, rows, seed=0):
+    """Packed q (S * rows, 8, 64) and k, v (sum(LENS_K), 2, 64) quantized per tensor, or per
+    head over the packed tokens (descales (1, H): the varlen call's (1, H, T, D) view)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = (torch.randn(len(LENS_K) * rows, 8, 64, generator=g) * 2,
+          torch.randn(sum(LENS_K), 2, 64, generator=g),
+          torch.randn(sum(LENS_K), 2, 64, generator=g) * 3)
+    out = []
+    for x in xs:
+        x8, d = attnkit.quantize_fp8(x.transpose(0, 1).unsqueeze(0), fmt, granularity)
+        out.append((x8[0].transpose(0, 1).contiguous(), d))
+    return out
+
+
+def _packed_oracle(q8, dq, k8, dk, v8, dv, rows, **kw):
+    """Each sequence on its own, float64 on the dequantized inputs (and in bfloat16 for
+    FlashAttention's baseline), packed again: (out, plain)."""
+    def deq(x8, d):
+        d = d.double()
+        return x8.double() * (d[0][None, :, None].repeat_interleave(
+            x8.shape[1] // d.shape[-1], 1) if d.dim() else d)
+
+    qd, kd, vd = deq(q8, dq), deq(k8, dk), deq(v8, dv)
+    outs, plains, start = [], [], 0
+    for s, n in enumerate(LENS_K):
+        qs = qd[s * rows:(s + 1) * rows].transpose(0, 1)[None]
+        ks, vs = (x[start:start + n].transpose(0, 1)[None] for x in (kd, vd))
+        outs.append(attention_reference(qs, ks, vs, **kw)[0].transpose(0, 1))
+        plains.append(attention_reference(*(x.bfloat16().double() for x in (qs, ks, vs)),
+                                          **kw)[0].transpose(0, 1).bfloat16())
+        start += n
+    return torch.cat(outs), torch.cat(plains)
+
+
+def _cu(rows):
+    cu_q = torch.arange(len(LENS_K) + 1) * rows
+    cu_k = torch.tensor([0] + LENS_K).cumsum(0)
+    return cu_q, cu_k
+
+
+PACKED_OPTIONS = [dict(causal=True, diagonal="bottom_right"),
+                  dict(window=(20, 0), diagonal="bottom_right", causal=True, softcap=10.0),
+                  dict()]
+
+
+@pytest.mark.parametrize("kw", PACKED_OPTIONS, ids=["causal", "window_softcap", "none"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_packed_decoding_step_reads_the_fp8_cache_in_place(kw, fmt, granularity, rows,
+                                                            monkeypatch, kernel_pages):
+    """varlen_attention over a packed fp8 cache (every sequence the same number of query
+    rows, at most the decode executor's) reads the packed K/V in place: the kernel gets the
+    fp8 keys, only q is dequantized, and every sequence equals the float64 oracle on the
+    dequantized inputs (FlashAttention's rule), a 1-key and a 7-key sequence among them."""
+    if kw.get("window") and rows == 3:
+        kw = dict(kw, window=(2, 0))  # (a window shorter than the query block)
+    (q8, dq), (k8, dk), (v8, dv) = _packed(fmt, granularity, rows)
+    dequantized = _dequantized_kv(monkeypatch)
+    cu_q, cu_k = _cu(rows)
+    with torch.no_grad():
+        out, lse = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, descale_q=dq,
+                                            descale_k=dk, descale_v=dv, return_lse=True, **kw)
+    assert kernel_pages == [fmt]
+    assert dequantized == [(1, 8, q8.shape[0], 64)]  # only q
+    assert out.shape == (q8.shape[0], 8, 64) and out.dtype == torch.bfloat16
+    assert lse.shape == (8, q8.shape[0])
+    ref, plain = _packed_oracle(q8, dq, k8, dk, v8, dv, rows, **kw)
+    ok, err, bound = fa_tolerance_ok(out, ref, plain)
+    assert ok, (err, bound)
+
+
+def test_packed_fp8_calls_the_in_place_read_cannot_take_dequantize_as_before(kernel_pages):
+    """Sequences with different numbers of query rows, a descale that needs its gradient, an
+    option beyond the in-place read's (ALiBi): the call dequantizes the packed K/V (the kernel,
+    where it runs, reads a dequantized copy) and the result is the oracle's."""
+    (q8, dq), (k8, dk), (v8, dv) = _packed(E4M3, "tensor", 2)
+    cu_k = _cu(2)[1]
+    uneven = torch.tensor([0, 1, 4, 6, 8])
+    with torch.no_grad():
+        attnkit.varlen_attention(q8, k8, v8, uneven, cu_k, descale_q=dq, descale_k=dk,
+                                 descale_v=dv, causal=True, diagonal="bottom_right")
+    assert E4M3 not in kernel_pages
+    kernel_pages.clear()
+    dk_grad = dk.clone().requires_grad_(True)
+    out = attnkit.varlen_attention(q8, k8, v8, _cu(2)[0], cu_k, descale_q=dq, descale_k=dk_grad,
+                                   descale_v=dv, causal=True, diagonal="bottom_right")
+    out.float().sum().backward()
+    assert dk_grad.grad is not None and E4M3 not in kernel_pages
+    ref, plain = _packed_oracle(q8, dq, k8, dk, v8, dv, 2, causal=True, diagonal="bottom_right")
+    ok, err, bound = fa_tolerance_ok(out.detach(), ref, plain)
+    assert ok, (err, bound)
+    kernel_pages.clear()
+    with torch.no_grad():
+        attnkit.varlen_attention(q8, k8, v8, _cu(2)[0], cu_k, descale_q=dq, descale_k=dk,
+                                 descale_v=dv, alibi_slopes=torch.full((8,), 0.1))
+    assert E4M3 not in kernel_pages
