@@ -163,3 +163,31 @@ def test_items_with_overlapping_rows_stay_on_one_thread():
         assert _threads(spec, [(0, 256), (128, 384), (384, 512), (512, 640)]) == 1
         assert _threads(spec, [(0, 128), (128, 256), (256, 384), (384, 512)]) == min(
             2, torch.get_num_threads())
+
+
+def test_band_only_plans_are_made_once_per_band_and_length():
+    """A call masked by the band alone (causal, windows) reuses the plan of an earlier call
+    with the same lengths, band and diagonal; any other band, length, diagonal or mask term
+    gets its own plan, and every result is the oracle's (the cache cannot hand one call
+    another's plan)."""
+    fused_schedule._BAND_PLANS.clear()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 600, 32, generator=g) for _ in range(3))
+    cases = [dict(causal=True), dict(window=(100, 0)), dict(window=(100, 5)),
+             dict(causal=True, diagonal="bottom_right"), dict(window=(100, 0))]
+    plans = []
+    for kw in cases + [dict(causal=True)]:
+        plans.append(fused.make_plan(build_spec(q, k, v, attnkit.spec.Options(**kw))))
+        out = attnkit.attention(q, k, v, backend="fused", **kw)
+        ref = attention_reference(q.double(), k.double(), v.double(), **kw)
+        assert (out.double() - ref).abs().max().item() < 1e-5, kw
+    assert plans[1] is plans[4] and plans[0] is plans[5]  # the same band again
+    assert plans[3] is plans[0]  # bottom-right causal at Lq == Lk: the same offset, 0
+    assert len({id(p) for p in plans[:3]}) == 3
+    short = fused.make_plan(build_spec(q[:, :, :300], k, v, attnkit.spec.Options(causal=True)))
+    assert short is not plans[0]
+    lens = torch.tensor([500])
+    padded = fused.make_plan(build_spec(q, k, v, attnkit.spec.Options(causal=True,
+                                                                      seqlens_kv=lens)))
+    assert padded is not plans[0] and fused_schedule._band_key(
+        build_spec(q, k, v, attnkit.spec.Options(causal=True, seqlens_kv=lens))) is None

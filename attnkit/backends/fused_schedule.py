@@ -119,8 +119,39 @@ def _row_extent(spec: AttentionSpec, b: int) -> Row:
     return Row(q0, q1, k0, k1)
 
 
+#: Plans of calls masked by the band alone (causal, windows: tensor-free), by
+#: :func:`_band_key`; a training or generation loop asks for the same few again and again
+_BAND_PLANS: dict = {}
+
+
+def _band_key(spec: AttentionSpec) -> Optional[tuple]:
+    """What the plan of a band-only call depends on, or None for any other call: the
+    lengths, the band and its diagonal offset (an int here), the device. The plan holds no
+    tensor of the call's and nothing runs change it, so equal keys can share it."""
+    f = spec.features()
+    if "window" not in f or f & (MASK_TERMS | ADDITIVE_TERMS) != {"window"}:
+        return None
+    off = spec.diag_offset()
+    if not isinstance(off, int) or spec.row_offset is not None:
+        return None
+    return (spec.lq, spec.lk, spec.left, spec.right, off, spec.q.device)
+
+
 def make_fused_plan(spec: AttentionSpec) -> FusedPlan:
-    """The calls that run ``spec`` (see the module docstring)."""
+    """The calls that run ``spec`` (see the module docstring); band-only plans are made
+    once per :func:`_band_key`."""
+    key = _band_key(spec)
+    if key is None:
+        return _make_fused_plan(spec)
+    plan = _BAND_PLANS.get(key)
+    if plan is None:
+        if len(_BAND_PLANS) > 256:  # do not grow without bound
+            _BAND_PLANS.clear()
+        plan = _BAND_PLANS[key] = _make_fused_plan(spec)
+    return plan
+
+
+def _make_fused_plan(spec: AttentionSpec) -> FusedPlan:
     if _splittable(spec):
         plan = make_plan(spec, bq=BLOCK, bk=BLOCK)  # for a tiled backward, if one is needed
         rows = []
