@@ -199,6 +199,28 @@ AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t
     out[3 * os] = x[12];
 }
 
+/* The next chunk's rows of one kv head, asked for into L2 a token at a time while this chunk
+ * is computed: row[t] is chunk column t's K (or V) row of kv head 0 (NULL past the next
+ * chunk's end), off the head's offset and bytes a row's length, in bytes. A burst of
+ * requests for a whole chunk at once waited on the core's few miss slots (fill buffers)
+ * with nothing to overlap it; spread over the loop that reads this chunk, the memory works
+ * while the core computes (measured: fp8 decode at 8k 24-25 -> 16-17 ms, 2 threads). */
+typedef struct {
+    const char *const *row;
+    int64_t off, bytes;
+} ak_ahead;
+
+AK_INLINE void ahead(const ak_ahead *a, int64_t t) {
+    if (!a || !a->row[t]) return;
+    const char *p = a->row[t] + a->off;
+    for (int64_t o = 0; o < a->bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
+/* ahead() for every row t < n: for the loops that do not ask as they go */
+AK_INLINE void ahead_all(const ak_ahead *a, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) ahead(a, t);
+}
+
 /* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (accumulators in registers) */
 AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
                       int64_t os) {
@@ -293,9 +315,10 @@ int attnkit_native_has_dpbf16(void) {
 #endif
 }
 
-/* acc_g += sum_t p[g * ps + t] * v_t for 4 rows g, over n value rows v_t = v + t * vstride */
+/* acc_g += sum_t p[g * ps + t] * v_t for 4 rows g, over n value rows v_t = v + t * vstride
+ * (the next chunk's rows asked for from pf, NULL: none) */
 AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                   int64_t ps, int64_t Dv, float *acc) {
+                   int64_t ps, int64_t Dv, float *acc, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
         ak_vf a0, a1, a2, a3;
@@ -308,6 +331,10 @@ AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const f
         ak_vf b0 = ak_splat(0.0f), b1 = b0, b2 = b0, b3 = b0;
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
+            if (d == 0) {
+                ahead(pf, t);
+                ahead(pf, t + 1);
+            }
             const ak_vf va = load16(v + t * vstride + d * esz, dtype);
             const ak_vf vb = load16(v + (t + 1) * vstride + d * esz, dtype);
             a0 += p[t] * va;
@@ -320,6 +347,7 @@ AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const f
             b3 += p[3 * ps + t + 1] * vb;
         }
         if (t < n) {
+            if (d == 0) ahead(pf, t);
             const ak_vf va = load16(v + t * vstride + d * esz, dtype);
             a0 += p[t] * va;
             a1 += p[ps + t] * va;
@@ -363,9 +391,12 @@ AK_INLINE void score_head_t(const char *k, int dtype, const float *q, int64_t D,
 }
 
 AK_INLINE void pv_head_t(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                         int64_t ps, int64_t Dv, int64_t rows, float *acc) {
+                         int64_t ps, int64_t Dv, int64_t rows, float *acc,
+                         const ak_ahead *pf) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) pv4(v, vstride, n, dtype, p + r * ps, ps, Dv, acc + r * Dv);
+    if (rows < 4) ahead_all(pf, n);
+    for (; r + 4 <= rows; r += 4)
+        pv4(v, vstride, n, dtype, p + r * ps, ps, Dv, acc + r * Dv, r == 0 ? pf : NULL);
     for (; r < rows; ++r) pv1(v, vstride, n, dtype, p + r * ps, Dv, acc + r * Dv);
 }
 
@@ -391,12 +422,12 @@ AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16
 }
 
 static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                    int64_t ps, int64_t Dv, int64_t rows, float *acc) {
-    if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc);
-    else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc);
-    else if (dtype == AK_E4M3) pv_head_t(v, vstride, n, AK_E4M3, p, ps, Dv, rows, acc);
-    else if (dtype == AK_E5M2) pv_head_t(v, vstride, n, AK_E5M2, p, ps, Dv, rows, acc);
-    else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc);
+                    int64_t ps, int64_t Dv, int64_t rows, float *acc, const ak_ahead *pf) {
+    if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc, pf);
+    else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc, pf);
+    else if (dtype == AK_E4M3) pv_head_t(v, vstride, n, AK_E4M3, p, ps, Dv, rows, acc, pf);
+    else if (dtype == AK_E5M2) pv_head_t(v, vstride, n, AK_E5M2, p, ps, Dv, rows, acc, pf);
+    else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc, pf);
 }
 
 /* Visible keys [*a, *e) of a query at aligned position ip among L keys: ip - left <= j and
@@ -488,13 +519,14 @@ AK_INLINE int64_t chunk_segments(const ak_job *job, int64_t b, int64_t base, int
  * (reloading them for each key cost more loads than multiply-adds). NB is a constant where
  * this is inlined. */
 AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, const float *q,
-                           int NB, float *out) {
+                           int NB, float *out, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = (int64_t)NB * AK_W;
     ak_vf qv[4][4];
     for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NB; ++j) memcpy(&qv[g][j], q + g * D + j * AK_W, sizeof(ak_vf));
     for (int64_t t = 0; t < len; ++t) {
+        ahead(pf, t);
         const char *row = k + t * ks;
         ak_vf a0 = ak_splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
         for (int j = 0; j < NB; ++j) {
@@ -538,6 +570,10 @@ AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m512 sv_ = _mm512_set1_ps(scale);                                              \
     int64_t t = 0;                                                                         \
     for (; t + 4 <= len; t += 4) {                                                         \
+        ahead(pf, t);                                                                      \
+        ahead(pf, t + 1);                                                                  \
+        ahead(pf, t + 2);                                                                  \
+        ahead(pf, t + 3);                                                                  \
         __m512 x0, x1, x2, x3;                                                             \
         AK_DOT4(k + t * ks, x0, LOAD, KV);                                                 \
         AK_DOT4(k + (t + 1) * ks, x1, LOAD, KV);                                           \
@@ -552,6 +588,7 @@ AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
         _mm_storeu_ps(out + 3 * AK_CHUNK + t, _mm512_extractf32x4_ps(y, 3));               \
     }                                                                                      \
     for (; t < len; ++t) {                                                                 \
+        ahead(pf, t);                                                                      \
         __m512 x;                                                                          \
         AK_DOT4(k + t * ks, x, LOAD, KV);                                                  \
         float lanes_[16];                                                                  \
@@ -561,7 +598,7 @@ AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 /* the same with bfloat16 queries and keys in vdpbf16ps (D = NB * 32), times the scale */
 AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const uint16_t *q,
-                              float scale, int NB, float *out) {
+                              float scale, int NB, float *out, const ak_ahead *pf) {
     const int64_t D = (int64_t)NB * 32;
     __m512bh qv[4][4];
     for (int g = 0; g < 4; ++g)
@@ -651,7 +688,8 @@ AK_INLINE void fp8_row_bh(const uint8_t *row, const ak_tab *T, int NB, __m512i *
 /* Scores of 4 bfloat16 query rows (D = NB * 32, in registers) against `len` fp8 key rows
  * k + t * ks (bytes), times the scale, into out[g * AK_CHUNK + t] (as score4_keys_dp) */
 AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const uint16_t *q,
-                               float scale, int NB, const ak_tab *T, float *out) {
+                               float scale, int NB, const ak_tab *T, float *out,
+                               const ak_ahead *pf) {
     const int64_t D = (int64_t)NB * 32;
     __m512bh qv[4][4];
     for (int g = 0; g < 4; ++g)
@@ -669,7 +707,7 @@ AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const 
  * value rows v_t = v + t * vstride (bytes), converted by table straight to float32 (exact,
  * as load16 gives them), two tokens a table lookup */
 AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float *p, int64_t ps,
-                      int64_t Dv, const ak_tab *T, int ROWS, float *acc) {
+                      int64_t Dv, const ak_tab *T, int ROWS, float *acc, const ak_ahead *pf) {
     const __mmask64 hi16 = 0xCCCCCCCCCCCCCCCCull; /* bytes 2, 3 of each float32 */
     for (int64_t d = 0; d < Dv; d += 32) {
         __m512 a[4][2], b[4][2];
@@ -680,6 +718,10 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
         }
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
+            if (d == 0) {
+                ahead(pf, t);
+                ahead(pf, t + 1);
+            }
             const uint8_t *r0 = v + t * vstride + d;
             const __m512i x = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const void *)r0)),
@@ -700,6 +742,7 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
             }
         }
         if (t < n) {
+            if (d == 0) ahead(pf, t);
             const uint8_t *r0 = v + t * vstride + d;
             __m512i lo, hi;
             fp8_halves(_mm512_zextsi256_si512(_mm256_loadu_si256((const void *)r0)), T, &lo,
@@ -738,7 +781,7 @@ int attnkit_native_has_fp8dot(void) {
                   default: CALL(4); }
 AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
                               const ak_job *job, const float *qb, const uint16_t *qhb,
-                              int64_t rows_per_head, float *sc) {
+                              int64_t rows_per_head, float *sc, const ak_ahead *next) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = job->D, groups = rows_per_head / 4, rest = rows_per_head % 4;
 #ifdef AK_DPBF16
@@ -754,28 +797,30 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 #endif
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const char *kh0 = k + h * kh * esz;
+            const ak_ahead head = {next->row, h * kh * esz, next->bytes};
             for (int64_t g = 0; g < groups; ++g) {
                 const int64_t r = h * rows_per_head + 4 * g;
                 float *out = sc + r * AK_CHUNK;
+                const ak_ahead *pf = g == 0 ? &head : NULL; /* (each key row once) */
 #ifdef AK_DPBF16
                 if (dp) {
 #ifdef AK_FP8DOT
                     if (dtype >= AK_E4M3) { /* fp8 keys, by table (bf16_dot: AK_FP8DOT) */
 #define AK_DP8(NB) score4_keys_dp8((const uint8_t *)kh0, ks, len, qhb + r * D, job->scale, NB, \
-                                   &T, out)
+                                   &T, out, pf)
                         AK_NB_CASES(AK_DP8)
 #undef AK_DP8
                         continue;
                     }
 #endif
 #define AK_DP(NB) score4_keys_dp((const uint16_t *)kh0, ks, len, qhb + r * D, job->scale, NB, \
-                                 out)
+                                 out, pf)
                     AK_NB_CASES(AK_DP)
 #undef AK_DP
                     continue;
                 }
 #endif
-#define AK_F(NB) score4_keys(kh0, ks * esz, len, dtype, qb + r * D, NB, out)
+#define AK_F(NB) score4_keys(kh0, ks * esz, len, dtype, qb + r * D, NB, out, pf)
                 AK_NB_CASES(AK_F)
 #undef AK_F
             }
@@ -783,6 +828,11 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
         if (!rest) return;
     }
     const int64_t first = (groups && (dp || D <= 4 * AK_W)) ? 4 * groups : 0;
+    if (!first)
+        for (int64_t h = 0; h < job->Hkv; ++h) {
+            const ak_ahead head = {next->row, h * kh * esz, next->bytes};
+            ahead_all(&head, len);
+        }
     for (int64_t tt = 0; tt < len; ++tt)
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const int64_t r = h * rows_per_head + first;
@@ -795,36 +845,33 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 #undef AK_NB_CASES
 
 static void score_tokens(const char *k, int64_t len, const ak_job *job, const float *qb,
-                         const uint16_t *qhb, int64_t rows_per_head, float *sc) {
+                         const uint16_t *qhb, int64_t rows_per_head, float *sc,
+                         const ak_ahead *next) {
     const int64_t ks = job->ks_tok, kh = job->ks_head;
     switch (job->dtype) {
-    case AK_BF16: score_tokens_t(k, ks, kh, len, AK_BF16, job, qb, qhb, rows_per_head, sc); break;
-    case AK_F16: score_tokens_t(k, ks, kh, len, AK_F16, job, qb, qhb, rows_per_head, sc); break;
-    case AK_E4M3: score_tokens_t(k, ks, kh, len, AK_E4M3, job, qb, qhb, rows_per_head, sc); break;
-    case AK_E5M2: score_tokens_t(k, ks, kh, len, AK_E5M2, job, qb, qhb, rows_per_head, sc); break;
-    default: score_tokens_t(k, ks, kh, len, AK_F32, job, qb, qhb, rows_per_head, sc);
+    case AK_BF16: score_tokens_t(k, ks, kh, len, AK_BF16, job, qb, qhb, rows_per_head, sc, next); break;
+    case AK_F16: score_tokens_t(k, ks, kh, len, AK_F16, job, qb, qhb, rows_per_head, sc, next); break;
+    case AK_E4M3: score_tokens_t(k, ks, kh, len, AK_E4M3, job, qb, qhb, rows_per_head, sc, next); break;
+    case AK_E5M2: score_tokens_t(k, ks, kh, len, AK_E5M2, job, qb, qhb, rows_per_head, sc, next); break;
+    default: score_tokens_t(k, ks, kh, len, AK_F32, job, qb, qhb, rows_per_head, sc, next);
     }
 }
 
-/* Ask for the K and V rows of chunk [c0, c1) into L2 ahead of their use: decoding reads each
- * key once, and without this a core waits on memory at every page's first rows (measured:
- * each core's loads of K and V stalled for most of the kernel's time, whatever the page
- * layout). */
-static void prefetch_chunk(const ak_job *job, int64_t b, int64_t base, int64_t c0, int64_t c1) {
+/* nk[t], nv[t]: the K and V rows (kv head 0) of column t of chunk [c0, c1) of sequence b,
+ * NULL from column c1 - c0 on (see ak_ahead). Decoding reads each key once, and without
+ * asking ahead a core waits on memory at every page's first rows. */
+static void next_rows(const ak_job *job, int64_t b, int64_t base, int64_t c0, int64_t c1,
+                      const char **nk, const char **nv) {
     ak_seg seg[AK_CHUNK];
     const int esz = AK_ESZ(job->dtype);
-    const int64_t nseg = chunk_segments(job, b, base, c0, c1, seg);
-    const int64_t kb = job->D * esz, vb = job->Dv * esz; /* bytes of one head's row */
+    const int64_t nseg = c0 < c1 ? chunk_segments(job, b, base, c0, c1, seg) : 0;
+    for (int64_t t = 0; t < AK_CHUNK; ++t) nk[t] = nv[t] = NULL;
     for (int64_t g = 0; g < nseg; ++g)
-        for (int64_t t = seg[g].first; t < seg[g].first + seg[g].len; ++t)
-            for (int64_t h = 0; h < job->Hkv; ++h) {
-                const char *k = job->kp + (seg[g].page * job->ks_page + t * job->ks_tok
-                                           + h * job->ks_head) * esz;
-                const char *v = job->vp + (seg[g].page * job->vs_page + t * job->vs_tok
-                                           + h * job->vs_head) * esz;
-                for (int64_t o = 0; o < kb; o += 64) __builtin_prefetch(k + o, 0, 2);
-                for (int64_t o = 0; o < vb; o += 64) __builtin_prefetch(v + o, 0, 2);
-            }
+        for (int64_t t = 0; t < seg[g].len; ++t) {
+            const int64_t tok = seg[g].first + t;
+            nk[seg[g].t + t] = job->kp + (seg[g].page * job->ks_page + tok * job->ks_tok) * esz;
+            nv[seg[g].t + t] = job->vp + (seg[g].page * job->vs_page + tok * job->vs_tok) * esz;
+        }
 }
 
 static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
@@ -889,12 +936,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         const int64_t c1 = c0 + AK_CHUNK < k1 ? c0 + AK_CHUNK : k1, n = c1 - c0;
         const int64_t nseg = chunk_segments(job, b, base, c0, c1, seg);
         const int64_t nw = (n + AK_W - 1) / AK_W * AK_W; /* score lanes in use */
-        if (c1 < k1) prefetch_chunk(job, b, base, c1, c1 + AK_CHUNK < k1 ? c1 + AK_CHUNK : k1);
+        const char *nk[AK_CHUNK], *nv[AK_CHUNK]; /* the next chunk's rows, asked for ahead */
+        next_rows(job, b, base, c1, c1 + AK_CHUNK < k1 ? c1 + AK_CHUNK : k1, nk, nv);
         /* scores, token by token in memory order, one page segment at a time */
         for (int64_t g = 0; g < nseg; ++g) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
-            score_tokens(kbase, seg[g].len, job, qb, qhb, rows_per_head, sc + seg[g].t);
+            const ak_ahead next = {nk + seg[g].t, 0, D * esz};
+            score_tokens(kbase, seg[g].len, job, qb, qhb, rows_per_head, sc + seg[g].t, &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
                 scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
                            seg[g].t, seg[g].t + seg[g].len);
@@ -969,6 +1018,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
                 const char *vh = vbase + h * job->vs_head * esz;
+                const ak_ahead next = {nv + st, h * job->vs_head * esz, Dv * esz};
                 int whole = 1;
                 for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
 #ifdef AK_FP8DOT
@@ -977,17 +1027,20 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     const float *pr = sc + r0 * AK_CHUNK + st;
                     int64_t r = r0;
                     for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
-                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv);
+                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv,
+                               r == r0 ? &next : NULL);
                     for (; r < r1; ++r, pr += AK_CHUNK)
-                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv);
+                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv,
+                               r == r0 ? &next : NULL);
                     continue;
                 }
 #endif
                 if (whole) {
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv);
+                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, &next);
                     continue;
                 }
+                ahead_all(&next, len);
                 for (int64_t r = r0; r < r1; ++r) {
                     /* the row's visible columns [t0, t1) of the chunk, within this segment */
                     int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
