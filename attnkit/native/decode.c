@@ -270,6 +270,18 @@ AK_INLINE __m512bh ak_bh(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512((const void *)p);
 }
 
+/* the four rows' sums of (a0, a1, a2, a3) in 128-bit lane g (row g; all four elements):
+ * halves of (a0, a1) and (a2, a3), then quarters, then within each lane */
+AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
 AK_INLINE void score4_dp(const uint16_t *k, const uint16_t *q, int64_t D, float scale,
                          float *out, int64_t os) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -281,16 +293,7 @@ AK_INLINE void score4_dp(const uint16_t *k, const uint16_t *q, int64_t D, float 
         a2 = _mm512_dpbf16_ps(a2, ak_bh(q + 2 * D + d), kv);
         a3 = _mm512_dpbf16_ps(a3, ak_bh(q + 3 * D + d), kv);
     }
-    /* the four horizontal sums together: halves of (a0, a1) and (a2, a3), then quarters
-     * (128-bit lane g holds row g), then within each lane */
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-    x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+    const __m512 x = _mm512_mul_ps(sums4_dp(a0, a1, a2, a3), _mm512_set1_ps(scale));
     float lanes[16];
     _mm512_storeu_ps(lanes, x);
     out[0] = lanes[0];
@@ -541,17 +544,6 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
 }
 
 #ifdef AK_DPBF16
-/* the four rows' sums of (a0, a1, a2, a3) in 128-bit lane g (row g; all four elements) */
-AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
 /* The body of a 4-row score loop over `len` keys (qv, NB, k, ks, len, scale, out in scope):
  * LOAD(row) brings a key row in, KV(j) is its block j of 32 bfloat16. Four keys at a time
  * share one multiply by the scale and four stores (key i's sums blended into element i of
