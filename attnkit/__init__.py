@@ -12,6 +12,7 @@ from . import distributed, masks, numpy, score_mods
 from .api import (
     AuxOutput,
     AuxRequest,
+    GradAmax,
     Grads,
     attention,
     attention_backward,
@@ -39,6 +40,7 @@ __all__ = [
     "AuxOutput",
     "AuxRequest",
     "BlockMask",
+    "GradAmax",
     "Grads",
     "OutOfPagesError",
     "PagedKVCache",

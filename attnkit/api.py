@@ -13,6 +13,7 @@ from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from .checks import autocast_dtype, autocast_inputs
 from .fp8 import (
     cache_descales,
+    check_grad_dtype,
     check_out_dtype,
     check_positive,
     dequantize_query,
@@ -398,6 +399,18 @@ class Grads(NamedTuple):
     dsinks: Optional[Tensor]
 
 
+class GradAmax(NamedTuple):
+    """The absolute maxima from :func:`attention_backward` with ``return_amax=True`` (cuDNN's
+    amax_dQ, amax_dK, amax_dV, amax_dP), 0-d float32, before any ``scale_d*``: ``dp`` is the
+    largest ``|dO_i . v_j|`` over the pairs the call's masks let through (dP before dropout);
+    the next step's scales follow from them (:func:`attnkit.fp8.suggested_scale`)."""
+
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dp: Tensor
+
+
 def _explicit_spec(q: Tensor, k: Tensor, v: Tensor, options: dict) -> AttentionSpec:
     return build_spec(q, k, v, Options.from_kwargs("attention_forward/backward", options))
 
@@ -420,7 +433,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
 
 def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                        *, backend: str = "auto", descale_o: Any = None, descale_do: Any = None,
-                       **options: Any) -> Grads:
+                       grad_dtype: Optional[torch.dtype] = None, scale_dq: Any = None,
+                       scale_dk: Any = None, scale_dv: Any = None, return_amax: bool = False,
+                       **options: Any) -> Any:
     """Backward from saved statistics: gradients of ``sum(out * dout)`` for q, k, v, bias and
     sinks, each in its input's shape. ``out`` and ``lse`` come from :func:`attention_forward`.
 
@@ -428,7 +443,16 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     the dequantized inputs ``x8 * descale_x``, in their compute dtype (bfloat16, or
     ``out_dtype`` when that is a float dtype). ``out`` and ``dout`` may be fp8 too, with
     ``descale_o`` and ``descale_do`` (scalars: the real values are ``out8 * descale_o``; dout
-    by convention in e5m2)."""
+    by convention in e5m2).
+
+    cuDNN's FP8 backward outputs: ``grad_dtype`` sets the dtype of dq, dk and dv (a float
+    dtype, or fp8 with ``scale_dq``, ``scale_dk``, ``scale_dv``: each gradient is stored as
+    ``fp8(grad * scale)``, saturating at the format's largest value); ``return_amax=True``
+    returns ``(grads, GradAmax)``, the gradients' absolute maxima before scaling and that of
+    dP. (dP itself is not quantized inside the backward: cuDNN's ``scale_dP``/``descale_dP``
+    have no counterpart; the gradients are those of the dequantized inputs.)"""
+    check_grad_dtype(grad_dtype, {"scale_dq": scale_dq, "scale_dk": scale_dk,
+                                  "scale_dv": scale_dv})
     out = _dequantized("out", out, descale_o)
     dout = _dequantized("dout", dout, descale_do)
     bias, sinks = options.get("bias"), options.get("sinks")
@@ -450,12 +474,21 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     if bias is not None and g.dbias is not None:
         dbias = unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)
     dsinks = g.dsinks.to(sinks.dtype) if (sinks is not None and g.dsinks is not None) else None
-    def grad_dtype(x: Tensor) -> torch.dtype:
+    def dtype_of(x: Tensor) -> torch.dtype:
         return spec.q.dtype if is_fp8(x) else x.dtype
 
-    return Grads(dq=unbroadcast_input(g.dq, spec, q).to(grad_dtype(q)),
-                 dk=unbroadcast_input(g.dk, spec, k).to(grad_dtype(k)),
-                 dv=unbroadcast_input(g.dv, spec, v).to(grad_dtype(v)), dbias=dbias, dsinks=dsinks)
+    dq, dk, dv = (unbroadcast_input(gx, spec, x).to(dtype_of(x))
+                  for gx, x in ((g.dq, q), (g.dk, k), (g.dv, v)))
+    amax = None
+    if return_amax:
+        from .backends import tiled
+
+        amax = GradAmax(dq=_amax(dq), dk=_amax(dk), dv=_amax(dv),
+                        dp=tiled.dp_amax(spec, dout.reshape(*canon, spec.dv)))
+    grads = Grads(dq=finish_output(dq, grad_dtype, scale_dq),
+                  dk=finish_output(dk, grad_dtype, scale_dk),
+                  dv=finish_output(dv, grad_dtype, scale_dv), dbias=dbias, dsinks=dsinks)
+    return (grads, amax) if return_amax else grads
 
 
 def _dequantized(name: str, x: Tensor, descale: Any) -> Tensor:

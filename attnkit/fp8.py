@@ -140,6 +140,27 @@ def check_out_dtype(out_dtype: Any, out_scale: Any) -> Tuple[Optional[torch.dtyp
     return out_dtype, scale
 
 
+def check_grad_dtype(grad_dtype: Any, scales: dict) -> None:
+    """:func:`attnkit.attention_backward`'s ``grad_dtype`` (a float or fp8 dtype, or None) and
+    its ``scale_dq``/``scale_dk``/``scale_dv`` (``scales``: name -> value; each required with
+    an fp8 ``grad_dtype``, refused otherwise)."""
+    if grad_dtype is not None and (not isinstance(grad_dtype, torch.dtype)
+                                   or grad_dtype not in _FLOAT + FP8_DTYPES):
+        raise TypeError(f"grad_dtype must be torch.bfloat16, torch.float32, torch.float16, "
+                        f"torch.float64 or an fp8 dtype (with scale_dq, scale_dk, scale_dv); "
+                        f"got {grad_dtype!r}")
+    for name, value in scales.items():
+        scale = check_positive(name, value)
+        if grad_dtype in FP8_DTYPES and scale is None:
+            raise ValueError(f"grad_dtype={grad_dtype} needs {name} (cuDNN's scale for that "
+                             f"gradient: it is stored as fp8(grad * {name})); e.g. {name}=1.0, "
+                             f"or the suggested scale of the previous step's amax "
+                             f"(return_amax=True)")
+        if scale is not None and grad_dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} is for an fp8 grad_dtype; got grad_dtype={grad_dtype}: "
+                             f"pass grad_dtype=torch.float8_e5m2 (or e4m3fn), or drop {name}")
+
+
 def finish_output(out: Tensor, out_dtype: Optional[torch.dtype],
                   out_scale: Optional[float]) -> Tensor:
     """The output in ``out_dtype``: fp8 as ``fp8(out * out_scale)``, else a cast."""

@@ -238,6 +238,56 @@ def test_fp8_backward_through_attention_backward():
         assert ok, (err, b)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(5, 3)), dict()],
+                         ids=["causal", "window", "none"])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_quantized_gradients_and_their_amax(kw, backend):
+    """cuDNN's FP8 backward outputs: grad_dtype=e5m2 with scale_dq/dk/dv stores each gradient
+    as fp8(grad * scale) of the unquantized gradient (the same call without them), and
+    return_amax gives max |grad| before scaling and max |dO . v_j| over the visible pairs,
+    against the float64 oracle's dP on the dequantized inputs."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=21)
+    kw = dict(kw, descale_q=dq, descale_k=dk, descale_v=dv)
+    out, lse = attnkit.attention_forward(q8, k8, v8, **kw)
+    dout = torch.randn(B, HQ, LQ, D, generator=torch.Generator().manual_seed(22)).bfloat16()
+    plain = attnkit.attention_backward(q8, k8, v8, out, lse, dout, backend=backend, **kw)
+    scales = dict(scale_dq=8.0, scale_dk=2.0, scale_dv=0.5)
+    grads, amax = attnkit.attention_backward(q8, k8, v8, out, lse, dout, backend=backend,
+                                             grad_dtype=E5M2, return_amax=True, **scales,
+                                             **kw)
+    assert isinstance(amax, attnkit.GradAmax)
+    for got, want, scale, top in zip(grads[:3], plain[:3], scales.values(), amax[:3]):
+        assert got.dtype == E5M2
+        assert torch.equal(got, (want.float() * scale).to(E5M2))
+        assert top.dtype == torch.float32 and top.item() == want.float().abs().max().item()
+    qd, kd, vd = _deq(q8, dq), _deq(k8, dk), _deq(v8, dv)
+    _, w = attention_reference(qd, kd, vd, return_weights=True,
+                               **{n: x for n, x in kw.items() if not n.startswith("descale")})
+    dp = dout.double() @ vd.repeat_interleave(HQ // HKV, 1).transpose(-1, -2)
+    want_dp = dp.abs().masked_fill(w == 0, 0).max().item()
+    assert abs(amax.dp.item() - want_dp) <= 1e-2 * want_dp
+    g32 = attnkit.attention_backward(q8, k8, v8, out, lse, dout, grad_dtype=torch.float32,
+                                     **kw)
+    assert all(x.dtype == torch.float32 for x in g32[:3])
+
+
+def test_quantized_gradient_options_are_checked():
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=23)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    out, lse = attnkit.attention_forward(q8, k8, v8, **kw)
+    dout = torch.ones_like(out)
+    with pytest.raises(ValueError, match="scale_dk"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, grad_dtype=E5M2, scale_dq=1.0,
+                                   scale_dv=1.0, **kw)
+    with pytest.raises(ValueError, match="scale_dq is for an fp8 grad_dtype"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, scale_dq=1.0, **kw)
+    with pytest.raises(TypeError, match="grad_dtype must be"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, grad_dtype=torch.int8, **kw)
+    with pytest.raises(ValueError, match="scale_dv"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, grad_dtype=E4M3, scale_dq=1.0,
+                                   scale_dk=1.0, scale_dv=-2.0, **kw)
+
+
 def test_fp8_out_in_attention_backward_is_its_dequantized_value():
     """An fp8 output (out_dtype with out_scale) goes back in with descale_o = 1 / out_scale:
     the same gradients as its dequantized bfloat16 value."""

@@ -372,6 +372,30 @@ def _accumulate_broadcast(acc: Tensor, g: Tensor, q0: int, q1: int, k0: int, k1:
     slice_tile(acc, q0, q1, k0, k1).add_(g)
 
 
+def dp_amax(spec: AttentionSpec, dout: Tensor) -> Tensor:
+    """max |dP| = max |dO_i . v_j| over the pairs (i, j) that the call's masks let through
+    (dP before dropout; cuDNN's amax_dP), 0-d float32, tile by tile: ``dout`` (N, Hq, Lq,
+    Dv). 0 where no pair is visible."""
+    plan = make_plan(spec)
+    t = _Tiles(spec, plan)
+    n, hkv = spec.n, spec.hkv
+    dout_c = dout.to(t.cd)
+    best = torch.zeros((), dtype=torch.float32, device=spec.q.device)
+    for qb in range(plan.nqb):
+        q0, q1 = plan.q_range(qb)
+        kbs = plan.key_blocks(qb)
+        if not kbs:
+            continue
+        rows = t.g * (q1 - q0)
+        qt, do_t = t.q_tile(q0, q1), t.rows(dout_c, q0, q1)
+        for kb, k0, k1, vis in t.key_tiles(qb, kbs):
+            s, _, _, _ = t.scores(qt, kb, q0, q1, vis)
+            seen = s.reshape(n, hkv, rows, k1 - k0) != float("-inf")
+            dp = t.mm_out(do_t, t.v[:, :, k0:k1].transpose(-1, -2)).abs()
+            best = torch.maximum(best, torch.where(seen, dp, torch.zeros_like(dp)).amax().float())
+    return best
+
+
 def dense_probabilities(spec: AttentionSpec, lse: Tensor) -> Tensor:
     """Dense pre-dropout weights exp(S - lse), (N, Hq, Lq, Lk) in compute dtype."""
     plan = make_plan(spec)
