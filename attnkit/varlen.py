@@ -10,7 +10,7 @@ from torch import Tensor
 from . import backends, ops
 from .api import _execute
 from .checks import autocast_inputs, check_cu
-from .fp8 import cache_descales, check_out_dtype, dequantize_query, is_fp8
+from .fp8 import cache_descales, check_out_dtype, dequantize_query, finish_output, is_fp8
 from .mods import remap
 from .ops import is_compiling
 from .paged import paged_spec
@@ -72,12 +72,13 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
             spec, rows = found
             out, lse, _ = _execute(spec, backend)
             out = out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+            out = finish_output(out, opts.out_dtype, opts.out_scale)
             lse = lse.permute(1, 0, 2).reshape(q.shape[1], q.shape[0])
             return (out, lse) if return_lse else out
         qt, kt, vt, opts, seg_q, seg_k, row_offset = _layout(q, k, v, cu_q, cu_k, opts)
         spec = build_spec(qt, kt, vt, opts, segments=(seg_q, seg_k), row_offset=row_offset)
         out, lse, _ = _execute(spec, backend)
-    out = out[0].transpose(0, 1)
+    out = finish_output(out[0].transpose(0, 1), opts.out_dtype, opts.out_scale)
     return (out, lse[0]) if return_lse else out
 
 

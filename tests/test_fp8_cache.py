@@ -219,3 +219,18 @@ def test_packed_fp8_calls_the_in_place_read_cannot_take_dequantize_as_before(ker
         attnkit.varlen_attention(q8, k8, v8, _cu(2)[0], cu_k, descale_q=dq, descale_k=dk,
                                  descale_v=dv, alibi_slopes=torch.full((8,), 0.1))
     assert E4M3 not in kernel_pages
+
+
+def test_packed_fp8_output_follows_out_dtype_and_out_scale():
+    """varlen_attention with out_dtype=fp8 and out_scale returns fp8(out * out_scale), as
+    attention() does (it returned bfloat16 before), in place or dequantizing alike."""
+    (q8, dq), (k8, dk), (v8, dv) = _packed(E4M3, "tensor", 1)
+    cu_q, cu_k = _cu(1)
+    kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, causal=True, diagonal="bottom_right")
+    with torch.no_grad():
+        plain = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, **kw)
+        out8 = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, out_dtype=E4M3, out_scale=4.0,
+                                        **kw)
+        wide = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, out_dtype=torch.float32, **kw)
+    assert out8.dtype == E4M3 and wide.dtype == torch.float32
+    assert torch.equal(out8, (plain.float() * 4.0).clamp(-448, 448).to(E4M3))
