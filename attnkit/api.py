@@ -435,7 +435,7 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                        *, backend: str = "auto", descale_o: Any = None, descale_do: Any = None,
                        grad_dtype: Optional[torch.dtype] = None, scale_dq: Any = None,
                        scale_dk: Any = None, scale_dv: Any = None, return_amax: bool = False,
-                       **options: Any) -> Any:
+                       dp_scale: Any = None, **options: Any) -> Any:
     """Backward from saved statistics: gradients of ``sum(out * dout)`` for q, k, v, bias and
     sinks, each in its input's shape. ``out`` and ``lse`` come from :func:`attention_forward`.
 
@@ -449,10 +449,12 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     dtype, or fp8 with ``scale_dq``, ``scale_dk``, ``scale_dv``: each gradient is stored as
     ``fp8(grad * scale)``, saturating at the format's largest value); ``return_amax=True``
     returns ``(grads, GradAmax)``, the gradients' absolute maxima before scaling and that of
-    dP. (dP itself is not quantized inside the backward: cuDNN's ``scale_dP``/``descale_dP``
-    have no counterpart; the gradients are those of the dequantized inputs.)"""
+    dP. ``dp_scale`` (cuDNN's ``scale_dP``, ``descale_dP = 1 / dp_scale``) rounds dP = dO V^T
+    to e5m2 as ``fp8(dP * dp_scale) / dp_scale`` inside the backward (the tiled executor;
+    ``amax_dp`` is of the unrounded dP)."""
     check_grad_dtype(grad_dtype, {"scale_dq": scale_dq, "scale_dk": scale_dk,
                                   "scale_dv": scale_dv})
+    dp_scale = check_positive("dp_scale", dp_scale)
     out = _dequantized("out", out, descale_o)
     dout = _dequantized("dout", dout, descale_do)
     bias, sinks = options.get("bias"), options.get("sinks")
@@ -462,14 +464,19 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     if sinks is not None:
         opts["sinks"] = sinks.detach().requires_grad_(True)
     spec = _explicit_spec(q.detach(), k.detach(), v.detach(), opts)
-    executor = backends.select(spec, backend)
+    if dp_scale is not None and backend not in ("auto", "tiled"):
+        raise NotImplementedError(f"dp_scale (dP rounded to fp8 inside the backward) runs on "
+                                  f"the tiled executor; got backend={backend!r}: pass "
+                                  f"backend='auto' or 'tiled', or drop dp_scale")
+    executor = backends.select(spec, "tiled" if dp_scale is not None else backend)
     if is_fp8(q):  # out and dout in the dtype the executors computed the inputs in
         out, dout = out.to(spec.q.dtype), dout.to(spec.q.dtype)
     canon = (spec.n, spec.hq, spec.lq)
+    extra = {} if dp_scale is None else {"dp_scale": dp_scale}
     with torch.no_grad():
         g = executor.backward(spec, executor.make_plan(spec),
                               out.reshape(*canon, spec.dv), lse.reshape(canon),
-                              dout.reshape(*canon, spec.dv))
+                              dout.reshape(*canon, spec.dv), **extra)
     dbias = None
     if bias is not None and g.dbias is not None:
         dbias = unbroadcast(g.dbias, spec, bias.shape).to(bias.dtype)

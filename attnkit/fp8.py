@@ -121,6 +121,17 @@ def check_positive(name: str, value: Any) -> Optional[float]:
     return float(value)
 
 
+#: What dP is rounded to with ``dp_scale`` (the gradients' format).
+DP_DTYPE = torch.float8_e5m2
+
+
+def quantize_dp(dp: Tensor, dp_scale: float) -> Tensor:
+    """dP as the backward uses it with ``dp_scale`` (cuDNN's ``scale_dP``, with ``descale_dP
+    = 1 / dp_scale``): ``fp8(dp * dp_scale) / dp_scale`` in e5m2 (:data:`DP_DTYPE`),
+    saturating, in ``dp``'s dtype."""
+    return cast_fp8(dp * dp_scale, DP_DTYPE).to(dp.dtype) * (1.0 / dp_scale)
+
+
 def check_out_dtype(out_dtype: Any, out_scale: Any) -> Tuple[Optional[torch.dtype],
                                                              Optional[float]]:
     """``out_dtype`` (a float or fp8 dtype, or None) and ``out_scale`` (required with an fp8

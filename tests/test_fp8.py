@@ -271,6 +271,44 @@ def test_quantized_gradients_and_their_amax(kw, backend):
     assert all(x.dtype == torch.float32 for x in g32[:3])
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict()], ids=["causal", "none"])
+def test_dp_scale_rounds_dp_inside_the_backward(kw):
+    """dp_scale (cuDNN's scale_dP): the gradients are those of dS = P (fp8(dP * s) / s -
+    rowsum(dO out)), dP = dO V^T rounded to e5m2, against a float64 computation of the same
+    (on the dequantized inputs, in float32 so that dP rounds the same way); dV does not see
+    dP. Without dp_scale the gradients differ by far more than the tolerance."""
+    (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=31)
+    kw = dict(kw, descale_q=dq, descale_k=dk, descale_v=dv, out_dtype=torch.float32)
+    out, lse = attnkit.attention_forward(q8, k8, v8, **kw)
+    dout = torch.randn(B, HQ, LQ, D, generator=torch.Generator().manual_seed(32))
+    got = attnkit.attention_backward(q8, k8, v8, out, lse, dout, dp_scale=2.0, **kw)
+    plain = attnkit.attention_backward(q8, k8, v8, out, lse, dout, **kw)
+    qd, kd, vd = (x.double() for x in (_deq(q8, dq), _deq(k8, dk), _deq(v8, dv)))
+    g = HQ // HKV
+    kg, vg = kd.repeat_interleave(g, 1), vd.repeat_interleave(g, 1)
+    _, w = attention_reference(qd, kd, vd, return_weights=True,
+                               **{n: x for n, x in kw.items() if n in ("causal",)})
+    dp = dout.double() @ vg.transpose(-1, -2)
+    dpq = (dp.float() * 2.0).clamp(-57344, 57344).to(E5M2).double() / 2.0
+    delta = (dout.double() * out.double()).sum(-1, keepdim=True)
+    ds = w * (dpq - delta)
+    scale = D ** -0.5
+    want_dq = scale * ds @ kg
+    want_dk = (scale * ds.transpose(-1, -2) @ qd).unflatten(1, (HKV, g)).sum(2)
+    want_dv = (w.transpose(-1, -2) @ dout.double()).unflatten(1, (HKV, g)).sum(2)
+    for name, a, want, b in zip("qkv", got[:3], (want_dq, want_dk, want_dv), plain[:3]):
+        err = (a.double() - want).abs().max().item()
+        tol = 2e-3 * want.abs().max().item()
+        assert err < tol, (name, err, tol)
+        far = (b.double() - want).abs().max().item()
+        assert far > 5 * tol if name != "v" else far < tol, (name, far, tol)
+    with pytest.raises(NotImplementedError, match="dp_scale"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, dp_scale=2.0, backend="fused",
+                                   **kw)
+    with pytest.raises(ValueError, match="dp_scale"):
+        attnkit.attention_backward(q8, k8, v8, out, lse, dout, dp_scale=0.0, **kw)
+
+
 def test_quantized_gradient_options_are_checked():
     (q8, dq), (k8, dk), (v8, dv) = _inputs(seed=23)
     kw = dict(descale_q=dq, descale_k=dk, descale_v=dv)

@@ -22,7 +22,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..fp8 import quantize_probabilities
+from ..fp8 import quantize_dp, quantize_probabilities
 from ..mods import call_score_mod, from_recipe, info_of
 from ..plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
 from ..score_terms import (
@@ -227,9 +227,10 @@ def _quantized_p_output(t: _Tiles, lse: Tensor) -> Tensor:
 
 
 def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Tensor,
-             dlse: Optional[Tensor] = None) -> Grads:
+             dlse: Optional[Tensor] = None, dp_scale: Optional[float] = None) -> Grads:
     """FlashAttention-2 backward: recompute P per tile from ``lse``; gradients in compute
-    dtype (cast by the caller)."""
+    dtype (cast by the caller). ``dp_scale``: dP = dO V^T rounded to e5m2 as
+    ``fp8(dP * dp_scale) / dp_scale`` before dS (cuDNN's quantized dP)."""
     if spec.p_scale is not None:
         raise NotImplementedError(
             "p_scale (fp8 softmax weights) is forward only: the rounding of P has no useful "
@@ -275,6 +276,8 @@ def backward(spec: AttentionSpec, plan: Plan, out: Tensor, lse: Tensor, dout: Te
             p = torch.exp(s.reshape(n, hkv, rows, k1 - k0) - lse_t)
             vt = t.v[:, :, k0:k1]
             dp = t.mm_out(do_t, vt.transpose(-1, -2))
+            if dp_scale is not None:
+                dp = quantize_dp(dp, dp_scale)
             drop = dropout_tile(spec, q0, q1, k0, k1, cd)
             if drop is not None:
                 shape4 = (n, hq, q1 - q0, k1 - k0)
