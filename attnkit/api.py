@@ -181,6 +181,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
     return _results(spec, out, lse, mx, return_lse, return_aux, return_weights)
 
 
+def fp8_readable_in_place(q: Any, k: Any, v: Any, opts: Options, backend: str) -> bool:
+    """What every fp8 cache read in place needs (the contiguous cache here, the packed one in
+    :mod:`attnkit.varlen`): the decode executor allowed, q, k, v plain fp8 tensors of one
+    format with their descales, and no descale that needs a gradient (its gradient needs the
+    dequantized tensors)."""
+    if backend not in ("auto", "decode") or not all(
+            type(x) is Tensor and is_fp8(x) for x in (q, k, v)):
+        return False
+    descales = (opts.descale_q, opts.descale_k, opts.descale_v)
+    if not q.dtype == k.dtype == v.dtype or any(d is None for d in descales):
+        return False
+    return not (torch.is_grad_enabled() and any(
+        isinstance(d, Tensor) and d.requires_grad for d in descales))
+
+
 def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset,
                         backend: str) -> Optional[AttentionSpec]:
     """A decoding step over an fp8 K/V cache held as ``(N, Hkv, Lk, D)`` tensors with
@@ -190,17 +205,11 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
     of that form (all three 4-D fp8 of one format with their descales, no descale that needs
     a gradient, a few query rows) or the decode executor would not run it: the caller then
     dequantizes, as for any fp8 input."""
-    if backend not in ("auto", "decode") or not all(
-            type(x) is Tensor and is_fp8(x) and x.dim() == 4 for x in (q, k, v)):
+    if not fp8_readable_in_place(q, k, v, opts, backend) or any(x.dim() != 4 for x in (q, k, v)):
         return None
-    descales = (opts.descale_q, opts.descale_k, opts.descale_v)
-    if (not q.dtype == k.dtype == v.dtype or any(d is None for d in descales)
-            or q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows
+    if (q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows
             or not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[2] != v.shape[2]):
         return None
-    if torch.is_grad_enabled() and any(isinstance(d, Tensor) and d.requires_grad
-                                       for d in descales):
-        return None  # (their gradients need the dequantized tensors)
     out_dtype, _ = check_out_dtype(opts.out_dtype, opts.out_scale)
     hkv, n, lk = k.shape[1], k.shape[0], k.shape[2]
     pages = PagedKV(k.transpose(1, 2), v.transpose(1, 2),

@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .api import _execute
+from .api import _execute, fp8_readable_in_place
 from .checks import autocast_inputs, check_cu
-from .fp8 import cache_descales, check_out_dtype, dequantize_query, finish_output, is_fp8
+from .fp8 import cache_descales, check_out_dtype, dequantize_query, finish_output
 from .mods import remap
 from .ops import is_compiling
 from .paged import paged_spec
@@ -95,16 +95,9 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     (equally many, at most the decode executor's) query rows; and that number of rows. None
     when the call is not of that form or the decode executor would not run it: the caller
     then dequantizes, as for any fp8 input."""
-    if backend not in ("auto", "decode") or not all(
-            type(x) is Tensor and is_fp8(x) for x in (q, k, v)) or not (
-            q.dtype == k.dtype == v.dtype):
-        return None
-    if any(not _is_default(getattr(opts, name), getattr(_DEFAULT_OPTIONS, name))
-           for name in Options.names() if name not in _IN_PLACE_OPTIONS):
-        return None
-    descales = (opts.descale_q, opts.descale_k, opts.descale_v)
-    if any(d is None for d in descales) or (torch.is_grad_enabled() and any(
-            isinstance(d, Tensor) and d.requires_grad for d in descales)):
+    if not fp8_readable_in_place(q, k, v, opts, backend) or any(
+            not _is_default(getattr(opts, name), getattr(_DEFAULT_OPTIONS, name))
+            for name in Options.names() if name not in _IN_PLACE_OPTIONS):
         return None
     nseq = cu_q.numel() - 1
     counts = cu_q.diff()
