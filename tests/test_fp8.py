@@ -635,6 +635,8 @@ def test_fp8_kernel_refuses_missing_descales_itself():
     assert call(None, None) == 2
     assert call(d.data_ptr(), None) == 2
     assert call(d.data_ptr(), d.data_ptr(), bf16_dot=1) == 2  # needs bfloat16 q, D % 32 == 0
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=2) == 2  # float16 math: the same, e4m3
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=4) == 2  # no such option
     assert call(d.data_ptr(), d.data_ptr(), q_dtype=3) == 2  # q is never fp8
     assert call(d.data_ptr(), d.data_ptr(), dims=bad_q) == 2
     assert call(d.data_ptr(), d.data_ptr(), splits=2, lse_ptr=None) == 2
@@ -700,8 +702,9 @@ def test_fp8_pages_by_table_match_the_conversion_and_the_oracle(dtype, hq, hkv, 
     bt = torch.randperm(num_pages, generator=g)[:3 * cols].view(3, cols)
     kw = dict(scale=d ** -0.5, k_descale=kd, v_descale=vd,
               window=None if window is None else (window, 0))
-    table, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
     info = native._state["info"]
+    monkeypatch.setitem(info, "h16", False)  # (the float16 arithmetic: tests below)
+    table, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
     assert native.DecodeCall(q, dtype, scale=1.0).bf16_dot == bool(info.get("fp8_dot"))
     monkeypatch.setitem(info, "fp8_dot", False)
     assert not native.DecodeCall(q, dtype, scale=1.0).bf16_dot
@@ -738,6 +741,132 @@ def test_fp8_table_gives_every_byte_its_value(dtype):
     out, _ = native.paged_decode(q, k8, v8, bt, torch.tensor([1]), scale=1.0, k_descale=ones,
                                  v_descale=ones)
     assert out.isnan().all()
+
+
+# ---- e4m3 pages in float16 arithmetic (AVX512-FP16, bfloat16 queries) --------------------
+
+
+def _h16_native():
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    if not native.build_info().get("h16"):
+        pytest.skip("this CPU has no AVX512-FP16: e4m3 pages take the exact paths only")
+    return native
+
+
+def _e4m3_case(hq, hkv, d, dv, page, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(lens)
+    cols = -(-int(lens.max()) // page)
+    num_pages = len(lens) * cols + 2
+    k8 = (torch.randn(num_pages, page, hkv, d, generator=g) * 3).to(E4M3)
+    v8 = (torch.randn(num_pages, page, hkv, dv, generator=g) * 3).to(E4M3)
+    kd = torch.rand(num_pages, hkv, generator=g) + 0.5
+    vd = torch.rand(num_pages, hkv, generator=g) + 0.5
+    bt = torch.randperm(num_pages, generator=g)[:len(lens) * cols].view(len(lens), cols)
+    return g, lens, k8, v8, kd, vd, bt
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv,page,lq,window,lens", [
+    (32, 8, 128, 128, 16, 1, None, [203, 70, 3]),  # the decode case: 4 rows a kv head
+    (8, 2, 96, 160, 7, 2, 9, [203, 70, 4]),  # 8 rows a head, D in 3 blocks, Dv 128 + 32, window
+    (8, 2, 64, 64, 256, 1, None, [600, 129, 2]),  # 64-token page segments: two float16 runs
+])
+def test_e4m3_pages_in_float16_arithmetic_are_within_flash_rule(hq, hkv, d, dv, page, lq,
+                                                                window, lens, monkeypatch):
+    """On a CPU with AVX512-FP16, bfloat16 queries over e4m3 pages are computed with float16
+    products and short float16 sums (decode.c, AK_H16): within FlashAttention's rule of the
+    float64 oracle on the dequantized pages (the plain computation: the oracle's weights and
+    the values in bfloat16), per-(page, head) descales, odd page sizes, windows; and not the
+    exact paths' result (which stays within 2e-5), so the float16 path is the one that ran."""
+    native = _h16_native()
+    g, lens, k8, v8, kd, vd, bt = _e4m3_case(hq, hkv, d, dv, page, lens, hq + d + page)
+    q = torch.randn(len(lens), hq, lq, d, generator=g).bfloat16()
+    kw = dict(scale=d ** -0.5, k_descale=kd, v_descale=vd,
+              window=None if window is None else (window, 0))
+    assert native.DecodeCall(q, E4M3, scale=1.0).h16
+    fast, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    monkeypatch.setitem(native._state["info"], "h16", False)
+    assert not native.DecodeCall(q, E4M3, scale=1.0).h16
+    exact, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    ref = _pages_oracle(q, k8, v8, kd, vd, bt, lens, window)
+    assert (exact.double() - ref).abs().max().item() < 2e-5 * ref.abs().max().item()
+    assert not torch.equal(fast, exact)
+    for b in range(len(lens)):  # the plain computation, sequence by sequence
+        pages = bt[b]
+        n = int(lens[b])
+        kk = (k8[pages].double() * kd[pages].double()[:, None, :, None]).flatten(0, 1)[:n]
+        vv = (v8[pages].double() * vd[pages].double()[:, None, :, None]).flatten(0, 1)[:n]
+        kk = kk.repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vv = vv.repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        s = (q[b].double() @ kk.transpose(1, 2)) * d ** -0.5
+        i, j = torch.arange(n - lq, n)[:, None], torch.arange(n)[None]
+        keep = (j <= i) & ((j >= i - window) if window is not None else True)
+        w = s.masked_fill(~keep, float("-inf")).softmax(-1)
+        plain = w.bfloat16() @ vv.bfloat16()
+        ok, err, base = fa_tolerance_ok(fast[b], ref[b], plain)
+        assert ok, (b, err, base)
+
+
+def test_e4m3_float16_values_are_exact_for_every_byte():
+    """One key: the output is its value row times the descale, so a row holding every e4m3
+    byte but the two NaNs (signed zeros, denormals, 448) shows the float16 conversion of
+    each, against torch's; a NaN value byte (or key byte) leaves that page and head to the
+    exact paths, which give NaN."""
+    native = _h16_native()
+    q = torch.randn(1, 4, 1, 32).bfloat16()
+    k8 = torch.randn(1, 1, 1, 32).to(E4M3)
+    b = torch.arange(256, dtype=torch.uint8)
+    b[0x7F], b[0xFF] = 0x00, 0x80
+    v8 = b.view(E4M3).view(1, 1, 1, 256)
+    half = torch.full((1, 1), 0.5)
+    bt = torch.zeros(1, 1, dtype=torch.int64)
+    out, _ = native.paged_decode(q, k8, v8, bt, torch.tensor([1]), scale=1.0, k_descale=half,
+                                 v_descale=half)
+    assert torch.equal(out.view(4, 256), (v8.float().view(256) * 0.5).expand(4, 256))
+    for pages, col in ((v8, 7), (k8, 5)):
+        pages = pages.clone()
+        pages.view(torch.uint8)[0, 0, 0, col] = 0xFF
+        k, v = (pages, v8) if pages.shape == k8.shape else (k8, pages)
+        out, _ = native.paged_decode(q, k, v, bt, torch.tensor([1]), scale=1.0,
+                                     k_descale=half, v_descale=half)
+        assert out.view(4, 256)[:, col].isnan().all()
+
+
+def test_e4m3_nan_pages_and_calls_the_float16_path_does_not_take_are_exact(monkeypatch):
+    """A NaN byte in one (page, kv head) of K and one of V: those heads' rows are NaN where
+    they see it and every other result is the float16 path's; what does not qualify (the
+    sequence of a non-finite query element, 3 query rows a kv head, float32 queries) gets
+    the exact paths' bits."""
+    native = _h16_native()
+    g, lens, k8, v8, kd, vd, bt = _e4m3_case(8, 2, 64, 64, 16, [100, 40], 3)
+    q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
+    kw = dict(scale=0.125, k_descale=kd, v_descale=vd)
+    clean, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    k_nan, v_nan = k8.clone(), v8.clone()
+    k_nan.view(torch.uint8)[bt[0, 2], 3, 1, 10] = 0x7F  # sequence 0, kv head 1 (rows 4-7)
+    v_nan.view(torch.uint8)[bt[1, 1], 0, 0, 20] = 0xFF  # sequence 1, kv head 0 (rows 0-3)
+    out, _ = native.paged_decode(q, k_nan, v_nan, bt, lens, **kw)
+    nan = out.isnan()
+    assert nan[0, 4:].all() and nan[1, :4, :, 20].all()  # (a value's NaN: its own dim)
+    assert nan.sum() == 4 * 64 + 4
+    assert torch.equal(out[0, :4], clean[0, :4]) and torch.equal(out[1, 4:], clean[1, 4:])
+
+    q_inf = q.clone()
+    q_inf[1, 2, 0, 5] = float("inf")
+    g3, lens3, k3, v3, kd3, vd3, bt3 = _e4m3_case(6, 2, 64, 64, 16, [50, 9], 4)
+    q3 = torch.randn(2, 6, 1, 64, generator=g3).bfloat16()
+    cases = [(q_inf, k8, v8, bt, lens, kw),
+             (q3, k3, v3, bt3, lens3, dict(scale=0.125, k_descale=kd3, v_descale=vd3)),
+             (q.float(), k8, v8, bt, lens, kw)]
+    fast = [native.paged_decode(a, k, v, t, n, **o)[0] for a, k, v, t, n, o in cases]
+    monkeypatch.setitem(native._state["info"], "h16", False)
+    exact = [native.paged_decode(a, k, v, t, n, **o)[0] for a, k, v, t, n, o in cases]
+    fast[0], exact[0] = fast[0][1], exact[0][1]  # (the infinite element's sequence)
+    for f, e in zip(fast, exact):
+        assert torch.equal(f.nan_to_num(), e.nan_to_num()) and torch.equal(f.isnan(), e.isnan())
 
 
 # ---- the benchmark's fp8 cases -------------------------------------------------------------

@@ -7,8 +7,13 @@ place, front to back, dots each key row with all the query rows of its kv head a
 online softmax in float32 (see the comment at its top). Long contexts with few sequences are
 split across threads by key range (flash-decoding) and the partial states merged by
 log-sum-exp with :func:`attnkit.merge.merge_states`. fp8 pages (e4m3 / e5m2, with per-(page,
-kv head) descales) are converted in registers; :func:`fp8_dequantize` is the same conversion
-as one pass over an fp8 q/k/v tensor (torch's fp8 casts run one element at a time).
+kv head) descales) are converted in registers; with bfloat16 queries on a CPU with
+AVX512-FP16 (``build_info()["h16"]``), e4m3 pages are computed in float16 products and short
+float16 sums, twice float32's multiply-adds a cycle (errors about 1e-3 of the output's
+largest value: within FlashAttention's rule against the same computation in bfloat16, and
+below the bfloat16 output's own rounding); float32 queries keep float32 arithmetic.
+:func:`fp8_dequantize` is the same conversion as one pass over an fp8 q/k/v tensor (torch's
+fp8 casts run one element at a time).
 
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
 times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
@@ -57,7 +62,7 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 9  # AK_ABI in decode.c
+_ABI = 10  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -253,6 +258,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
+        info["h16"] = bool(lib.attnkit_native_has_h16())
         return lib, None, info
     return None, f"building the native decode kernel failed: {info.get('error')}", info
 
@@ -433,8 +439,8 @@ class DecodeCall:
     and score terms, the threads. :meth:`run` takes the tensors; a decoding loop prepares one
     and runs it every step (see :func:`attnkit.backends.decode.replay`)."""
 
-    __slots__ = ("lib", "scale", "splits", "threads", "bf16_dot", "fp8", "code", "flags",
-                 "softcap")
+    __slots__ = ("lib", "scale", "splits", "threads", "bf16_dot", "h16", "fp8", "code",
+                 "flags", "softcap")
 
     def __init__(self, q: Tensor, kv_dtype: torch.dtype, *, scale: float, causal: bool = True,
                  diagonal: str = "bottom_right",
@@ -455,6 +461,11 @@ class DecodeCall:
         self.bf16_dot = (q.dtype == torch.bfloat16 and bool(dot_pages)
                          and q.shape[-1] % 32 == 0 and bool(info.get("bf16_dot")))
         self.fp8 = kv_dtype in _FP8
+        # e4m3 pages in float16 arithmetic where the CPU has AVX512-FP16, for bfloat16
+        # queries (whose output is rounded to 8 bits anyway; decode.c says which calls
+        # qualify and what it costs in accuracy)
+        self.h16 = (kv_dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+                    and q.shape[-1] % 32 == 0 and bool(info.get("h16")))
         self.code = _FP8[kv_dtype] if self.fp8 else _DTYPES[kv_dtype]
         left, right = (None, None) if window is None else window
         self.flags = (int(causal), int(diagonal == "bottom_right"), left is not None,
@@ -516,7 +527,7 @@ class DecodeCall:
         lse = (torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
                if want_lse or splits > 1 else None)
         rc = self.lib.attnkit_decode(
-            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot), self.scale,
+            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot) | 2 * int(self.h16), self.scale,
             k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if kd is not None else None,
             vd.data_ptr() if vd is not None else None, base, base + 3 * 8,
             bt.data_ptr(), bt.shape[1], lens.data_ptr(),

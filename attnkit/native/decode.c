@@ -11,7 +11,9 @@
  * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
  * token-major, so this reads each page front to back). Every key row is read once and dotted
  * with all the query rows of its kv head (G * Lq rows for GQA); scores, the online softmax and
- * the P V accumulation are float32 (the softmax 16 lanes at a time).
+ * the P V accumulation are float32 (the softmax 16 lanes at a time), except for e4m3 pages
+ * with bfloat16 queries on a CPU with AVX512-FP16, whose products and short sums are float16
+ * (AK_H16, at e4m3_h16: twice the multiply-adds a cycle, within FlashAttention's rule).
  * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
  * (flash-decoding) when there is more than one.
  *
@@ -22,6 +24,7 @@
  * or window, page padding) never reach its sums, whatever they hold. A row that sees no key
  * (or only -inf scores) gives 0 and log-sum-exp -inf.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,10 +33,15 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 9
+#define AK_ABI 10
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
+#endif
+
+/* e4m3 pages in float16 arithmetic (see e4m3_h16; needs the bfloat16 dot products' helpers) */
+#if defined(__AVX512BF16__) && defined(__AVX512FP16__)
+#define AK_H16 1
 #endif
 
 enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2, AK_E4M3 = 3, AK_E5M2 = 4 };
@@ -78,6 +86,7 @@ typedef struct {
     int q_dtype;               /* q's dtype: AK_F32, AK_BF16 or AK_F16 */
     int64_t qs_b, qs_h, qs_i;  /* q's element strides (B, Hq, Lq); its last dim unit stride */
     int bf16_dot;              /* bfloat16 q and keys: vdpbf16ps dot products (D % 32 == 0) */
+    int h16;                   /* e4m3 pages in float16 arithmetic where they qualify (AK_H16) */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
     const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
@@ -491,6 +500,10 @@ static void scale_rows(float *sc, const float *descale, float unit, int64_t Hkv,
 typedef struct {
     float *acc, *sc, *m, *l, *slope, *q;
     uint16_t *qh; /* q rows in bfloat16 */
+#ifdef AK_H16
+    _Float16 *q16, *p16; /* AK_H16: q rows scaled to [0.5, 1), a head's weights (AK_CHUNK a row) */
+    float *qf;           /* AK_H16: what scaled q row r down (a power of two) */
+#endif
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
 
@@ -544,10 +557,13 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
 }
 
 #ifdef AK_DPBF16
-/* The body of a 4-row score loop over `len` keys (qv, NB, k, ks, len, scale, out in scope):
- * LOAD(row) brings a key row in, KV(j) is its block j of 32 bfloat16. Four keys at a time
- * share one multiply by the scale and four stores (key i's sums blended into element i of
- * each row's 128-bit lane): storing each sum alone cost more than its dot product. */
+/* AK_DOT4: one key's four row sums for the bfloat16 dot products (qv, NB in scope): LOAD(row)
+ * brings a key row in, KV(j) is its block j of 32 bfloat16.
+ * AK_SCORE4_KEYS: the body of a 4-row score loop over `len` keys (k, ks, len, out, pf and
+ * sv_, the rows' multipliers in their 128-bit lanes, in scope); DOT(row, out) is one key's
+ * four row sums, row g's in 128-bit lane g. Four keys at a time share one multiply and four
+ * stores (key i's sums blended into element i of each lane): storing each sum alone cost more
+ * than its dot product. */
 #define AK_DOT4(ROW, OUT, LOAD, KV)                                                        \
     do {                                                                                   \
         LOAD(ROW)                                                                          \
@@ -558,8 +574,7 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
                 a_[g_] = _mm512_dpbf16_ps(a_[g_], qv[g_][j_], KV(j_));                     \
         (OUT) = sums4_dp(a_[0], a_[1], a_[2], a_[3]);                                      \
     } while (0)
-#define AK_SCORE4_KEYS(LOAD, KV)                                                           \
-    const __m512 sv_ = _mm512_set1_ps(scale);                                              \
+#define AK_SCORE4_KEYS(DOT)                                                                \
     int64_t t = 0;                                                                         \
     for (; t + 4 <= len; t += 4) {                                                         \
         ahead(pf, t);                                                                      \
@@ -567,10 +582,10 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
         ahead(pf, t + 2);                                                                  \
         ahead(pf, t + 3);                                                                  \
         __m512 x0, x1, x2, x3;                                                             \
-        AK_DOT4(k + t * ks, x0, LOAD, KV);                                                 \
-        AK_DOT4(k + (t + 1) * ks, x1, LOAD, KV);                                           \
-        AK_DOT4(k + (t + 2) * ks, x2, LOAD, KV);                                           \
-        AK_DOT4(k + (t + 3) * ks, x3, LOAD, KV);                                           \
+        DOT(k + t * ks, x0);                                                              \
+        DOT(k + (t + 1) * ks, x1);                                                        \
+        DOT(k + (t + 2) * ks, x2);                                                        \
+        DOT(k + (t + 3) * ks, x3);                                                        \
         __m512 y = _mm512_mask_blend_ps(0x2222, x0, x1);                                   \
         y = _mm512_mask_blend_ps(0x4444, y, x2);                                           \
         y = _mm512_mul_ps(_mm512_mask_blend_ps(0x8888, y, x3), sv_);                       \
@@ -582,7 +597,7 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
     for (; t < len; ++t) {                                                                 \
         ahead(pf, t);                                                                      \
         __m512 x;                                                                          \
-        AK_DOT4(k + t * ks, x, LOAD, KV);                                                  \
+        DOT(k + t * ks, x);                                                               \
         float lanes_[16];                                                                  \
         _mm512_storeu_ps(lanes_, _mm512_mul_ps(x, sv_));                                   \
         for (int g = 0; g < 4; ++g) out[g * AK_CHUNK + t] = lanes_[4 * g];                 \
@@ -597,7 +612,10 @@ AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const 
         for (int j = 0; j < NB; ++j) qv[g][j] = ak_bh(q + g * D + j * 32);
 #define AK_LOAD16(ROW) const uint16_t *row_ = (ROW);
 #define AK_KV16(J) ak_bh(row_ + (J) * 32)
-    AK_SCORE4_KEYS(AK_LOAD16, AK_KV16)
+#define AK_DOT(ROW, OUT) AK_DOT4(ROW, OUT, AK_LOAD16, AK_KV16)
+    const __m512 sv_ = _mm512_set1_ps(scale);
+    AK_SCORE4_KEYS(AK_DOT)
+#undef AK_DOT
 #undef AK_LOAD16
 #undef AK_KV16
 }
@@ -690,7 +708,10 @@ AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const 
     __m512i kv_[4];                                                                        \
     fp8_row_bh((ROW), T, NB, kv_);
 #define AK_KV8(J) ((__m512bh)kv_[J])
-    AK_SCORE4_KEYS(AK_LOAD8, AK_KV8)
+#define AK_DOT(ROW, OUT) AK_DOT4(ROW, OUT, AK_LOAD8, AK_KV8)
+    const __m512 sv_ = _mm512_set1_ps(scale);
+    AK_SCORE4_KEYS(AK_DOT)
+#undef AK_DOT
 #undef AK_LOAD8
 #undef AK_KV8
 }
@@ -755,6 +776,151 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
 }
 #endif
 
+#ifdef AK_H16
+/* e4m3 pages in float16 arithmetic (AVX512-FP16: 32 lanes a multiply-add, twice the float32
+ * rate, where the bfloat16 dot products run at the float32 rate). An e4m3 byte b is exactly
+ * the float16 pattern (b & 0x7f) << 7 | (b & 0x80) << 8 times 2^8 (denormals included: the
+ * exponent fields line up), here sign-extend, shift, clear bit 14: 3 instructions for 32
+ * elements. Only the NaN bytes (0x7f, 0xff) come out finite (1.875 * 2^-8), so each
+ * (page, kv head) is looked at for them first and one that has any takes the exact paths.
+ *
+ * The scores: the query rows are scaled by a power of two to a largest element in [0.5, 1)
+ * and rounded to float16, four products a lane summed in float16 (|sum| <= 7: e4m3 values
+ * times 2^-8 are at most 1.75), the two 256-bit halves added in float16 and the rest in
+ * float32. P V: the softmax weights (in [0, 1]) rounded to float16, at most AK_H16_RUN tokens
+ * summed in float16 (|sum| <= 56) and then added, times the page's descale, into the
+ * float32 sums. The errors (about 2^-11 of the terms) are far below the inputs' own (2^-4)
+ * and within FlashAttention's rule against the same computation in bfloat16 (tests). */
+#define AK_H16_RUN 32
+
+/* 32 e4m3 bytes at p as float16 (their values times 2^-8) */
+AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const void *)p));
+    return (__m512h)_mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xBFFF));
+}
+
+/* 1 when one of n rows of `bytes` e4m3 bytes (r + t * stride; bytes % 32 == 0) holds a NaN */
+AK_INLINE int e4m3_has_nan(const uint8_t *r, int64_t stride, int64_t n, int64_t bytes) {
+    const __m512i m = _mm512_set1_epi8(0x7f);
+    __m512i mx = _mm512_setzero_si512();
+    for (int64_t t = 0; t < n; ++t, r += stride) {
+        int64_t o = 0;
+        for (; o + 64 <= bytes; o += 64)
+            mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
+        if (o < bytes)
+            mx = _mm512_max_epu8(mx, _mm512_and_si512(
+                _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(r + o))), m));
+    }
+    return _mm512_cmpeq_epi8_mask(mx, m) != 0;
+}
+
+/* dst[t] = src[t] rounded to float16, t < n */
+AK_INLINE void to_h16(const float *src, int64_t n, _Float16 *dst) {
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
+        const __m256h h = _mm512_cvtxps_ph(_mm512_maskz_loadu_ps(m, src + t));
+        _mm256_mask_storeu_epi16(dst + t, m, _mm256_castph_si256(h));
+    }
+}
+
+/* Scores of 4 query rows (q: float16, row-major D = NB * 32, in registers) against `len` e4m3
+ * key rows k + t * ks (bytes), times f[g] for row g, into out[g * AK_CHUNK + t] */
+AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const _Float16 *q,
+                               const float *f, int NB, float *out, const ak_ahead *pf) {
+    const int64_t D = (int64_t)NB * 32;
+    __m512h qv[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) qv[g][j] = _mm512_loadu_ph(q + g * D + j * 32);
+#define AK_DOT(ROW, OUT)                                                                   \
+    do {                                                                                   \
+        const uint8_t *row_ = (const uint8_t *)(ROW);                                      \
+        __m512h a_[4] = {_mm512_setzero_ph(), _mm512_setzero_ph(), _mm512_setzero_ph(),    \
+                         _mm512_setzero_ph()};                                             \
+        for (int j_ = 0; j_ < NB; ++j_) {                                                  \
+            const __m512h x_ = e4m3_h16(row_ + j_ * 32);                                   \
+            for (int g_ = 0; g_ < 4; ++g_) a_[g_] = _mm512_fmadd_ph(qv[g_][j_], x_, a_[g_]); \
+        }                                                                                  \
+        __m512 s_[4];                                                                      \
+        for (int g_ = 0; g_ < 4; ++g_)                                                     \
+            s_[g_] = _mm512_cvtxph_ps(_mm256_add_ph(                                       \
+                _mm512_castph512_ph256(a_[g_]),                                            \
+                _mm256_castsi256_ph(_mm512_extracti64x4_epi64(_mm512_castph_si512(a_[g_]), 1)))); \
+        (OUT) = sums4_dp(s_[0], s_[1], s_[2], s_[3]);                                      \
+    } while (0)
+    const __m512 sv_ = _mm512_setr_ps(f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1], f[2],
+                                      f[2], f[2], f[2], f[3], f[3], f[3], f[3]);
+    AK_SCORE4_KEYS(AK_DOT)
+#undef AK_DOT
+}
+
+/* acc_g += f * sum_t p[g * ps + t] * v_t for ROWS rows g and the value dims [d0, d0 + NB * 32)
+ * (constants where inlined), over n e4m3 value rows v_t = v + t * vstride (bytes) and float16
+ * weights p, in runs of at most AK_H16_RUN tokens summed in float16 */
+AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
+                            int64_t ps, int64_t Dv, int64_t d0, float f, int ROWS, int NB,
+                            float *acc, const ak_ahead *pf) {
+    const __m512 fv = _mm512_set1_ps(f);
+    for (int64_t t0 = 0; t0 < n; t0 += AK_H16_RUN) {
+        const int64_t t1 = t0 + AK_H16_RUN < n ? t0 + AK_H16_RUN : n;
+        __m512h a[4][4];
+        for (int g = 0; g < ROWS; ++g)
+            for (int j = 0; j < NB; ++j) a[g][j] = _mm512_setzero_ph();
+        for (int64_t t = t0; t < t1; ++t) {
+            if (d0 == 0) ahead(pf, t);
+            const uint8_t *r = v + t * vstride + d0;
+            __m512h x[4];
+            for (int j = 0; j < NB; ++j) x[j] = e4m3_h16(r + j * 32);
+            for (int g = 0; g < ROWS; ++g) {
+                const __m512h w = _mm512_set1_ph(p[g * ps + t]);
+                for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ph(w, x[j], a[g][j]);
+            }
+        }
+        for (int g = 0; g < ROWS; ++g)
+            for (int j = 0; j < NB; ++j) {
+                float *o = acc + g * Dv + d0 + j * 32;
+                const __m512i h = _mm512_castph_si512(a[g][j]);
+                const __m512 lo = _mm512_cvtxph_ps(_mm512_castph512_ph256(a[g][j]));
+                const __m512 hi = _mm512_cvtxph_ps(
+                    _mm256_castsi256_ph(_mm512_extracti64x4_epi64(h, 1)));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(fv, lo, _mm512_loadu_ps(o)));
+                _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(fv, hi, _mm512_loadu_ps(o + 16)));
+            }
+    }
+}
+
+/* pv_h16_block over all of Dv (Dv % 32 == 0), 128 dims at a time */
+AK_INLINE void pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
+                      int64_t ps, int64_t Dv, float f, int ROWS, float *acc,
+                      const ak_ahead *pf) {
+    for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
+        const int64_t nb = (Dv - d0) / 32;
+        if (nb >= 4) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 4, acc, pf);
+        else if (nb == 3) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 3, acc, pf);
+        else if (nb == 2) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 2, acc, pf);
+        else pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 1, acc, pf);
+    }
+}
+#endif
+
+/* a sequence's query rows for the float16 scores: q[r * D + d] = q_r,d * scale / f[r] */
+typedef struct {
+#ifdef AK_H16
+    const _Float16 *q;
+    const float *f;
+#else
+    int none;
+#endif
+} ak_q16;
+
+/* 1 where e4m3 pages can be computed in float16 arithmetic (AK_H16) */
+int attnkit_native_has_h16(void) {
+#ifdef AK_H16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 where fp8 pages go into the bfloat16 dot products (with bfloat16 queries) */
 int attnkit_native_has_fp8dot(void) {
 #ifdef AK_FP8DOT
@@ -773,9 +939,38 @@ int attnkit_native_has_fp8dot(void) {
                   default: CALL(4); }
 AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
                               const ak_job *job, const float *qb, const uint16_t *qhb,
-                              int64_t rows_per_head, float *sc, const ak_ahead *next) {
+                              const ak_q16 *q16, int64_t rows_per_head, float *sc,
+                              const ak_ahead *next) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = job->D, groups = rows_per_head / 4, rest = rows_per_head % 4;
+#ifdef AK_H16
+    if (q16 != NULL && dtype == AK_E4M3) { /* (rows_per_head % 4 == 0, D % 32 == 0, <= 128) */
+        const int nb = (int)(D / 32);
+        for (int64_t h = 0; h < job->Hkv; ++h) {
+            const uint8_t *kh0 = (const uint8_t *)k + h * kh;
+            const ak_ahead head = {next->row, h * kh, next->bytes};
+            const int64_t r0 = h * rows_per_head;
+            if (e4m3_has_nan(kh0, ks, len, D)) { /* this head exactly, in float32 */
+                ahead_all(&head, len);
+                for (int64_t tt = 0; tt < len; ++tt)
+                    score_head((const char *)kh0 + tt * ks, dtype, qb + r0 * D, NULL,
+                               job->scale, D, rows_per_head, sc + r0 * AK_CHUNK + tt,
+                               AK_CHUNK);
+                continue;
+            }
+            for (int64_t r = r0; r < r0 + rows_per_head; r += 4) {
+                const ak_ahead *pf = r == r0 ? &head : NULL;
+#define AK_H(NB) score4_keys_h16(kh0, ks, len, q16->q + r * D, q16->f + r, NB, \
+                                 sc + r * AK_CHUNK, pf)
+                AK_NB_CASES(AK_H)
+#undef AK_H
+            }
+        }
+        return;
+    }
+#else
+    (void)q16;
+#endif
 #ifdef AK_DPBF16
     const int dp = qhb != NULL && D <= 128;
 #else
@@ -837,16 +1032,18 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 #undef AK_NB_CASES
 
 static void score_tokens(const char *k, int64_t len, const ak_job *job, const float *qb,
-                         const uint16_t *qhb, int64_t rows_per_head, float *sc,
-                         const ak_ahead *next) {
+                         const uint16_t *qhb, const ak_q16 *q16, int64_t rows_per_head,
+                         float *sc, const ak_ahead *next) {
     const int64_t ks = job->ks_tok, kh = job->ks_head;
+#define AK_ST(DT) score_tokens_t(k, ks, kh, len, DT, job, qb, qhb, q16, rows_per_head, sc, next)
     switch (job->dtype) {
-    case AK_BF16: score_tokens_t(k, ks, kh, len, AK_BF16, job, qb, qhb, rows_per_head, sc, next); break;
-    case AK_F16: score_tokens_t(k, ks, kh, len, AK_F16, job, qb, qhb, rows_per_head, sc, next); break;
-    case AK_E4M3: score_tokens_t(k, ks, kh, len, AK_E4M3, job, qb, qhb, rows_per_head, sc, next); break;
-    case AK_E5M2: score_tokens_t(k, ks, kh, len, AK_E5M2, job, qb, qhb, rows_per_head, sc, next); break;
-    default: score_tokens_t(k, ks, kh, len, AK_F32, job, qb, qhb, rows_per_head, sc, next);
+    case AK_BF16: AK_ST(AK_BF16); break;
+    case AK_F16: AK_ST(AK_F16); break;
+    case AK_E4M3: AK_ST(AK_E4M3); break;
+    case AK_E5M2: AK_ST(AK_E5M2); break;
+    default: AK_ST(AK_F32);
     }
+#undef AK_ST
 }
 
 /* nk[t], nv[t]: the K and V rows (kv head 0) of column t of chunk [c0, c1) of sequence b,
@@ -898,6 +1095,35 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         }
     }
 
+#ifdef AK_H16
+    /* e4m3 pages in float16 arithmetic where everything fits (AK_H16): the rows scaled by a
+     * power of two to a largest element in [0.5, 1); rows with a non-finite or out-of-range
+     * element leave this sequence to the exact paths */
+    int h16 = job->h16 && rows_per_head % 4 == 0 && D >= 32 && D <= 128 && Dv % 32 == 0;
+    for (int64_t r = 0; h16 && r < R; ++r) {
+        float mx = 0.0f;
+        int bad = 0;
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = fabsf(qb[r * D + d]);
+            bad |= !(x <= FLT_MAX);
+            mx = x > mx ? x : mx;
+        }
+        int e = 0;
+        frexpf(mx, &e); /* mx = m * 2^e, m in [0.5, 1) (e = 0 for 0) */
+        if (bad || e > 100 || e < -100) {
+            h16 = 0;
+            break;
+        }
+        const float down = ldexpf(1.0f, -e);
+        w->qf[r] = ldexpf(1.0f, e);
+        for (int64_t d = 0; d < D; ++d) w->q16[r * D + d] = (_Float16)(qb[r * D + d] * down);
+    }
+    const ak_q16 q16v = {w->q16, w->qf}, *q16 = h16 ? &q16v : NULL;
+#else
+    const int h16 = 0;
+    const ak_q16 *q16 = NULL;
+#endif
+
     /* causal: j <= i', i.e. a right bound of at most 0 */
     const int has_right = job->has_right || job->causal;
     const int64_t right = job->causal && (!job->has_right || job->right > 0) ? 0 : job->right;
@@ -935,7 +1161,8 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
             const ak_ahead next = {nk + seg[g].t, 0, D * esz};
-            score_tokens(kbase, seg[g].len, job, qb, qhb, rows_per_head, sc + seg[g].t, &next);
+            score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
+                         &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
                 scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
                            seg[g].t, seg[g].t + seg[g].len);
@@ -1003,7 +1230,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
          * already taken) */
         for (int64_t g = 0; g < nseg; ++g) {
             const int64_t st = seg[g].t, len = seg[g].len, se = st + len;
-            if (job->vd)
+            if (job->vd && !h16)
                 scale_rows(sc, job->vd + seg[g].page * Hkv, unit, Hkv, rows_per_head, st, se);
             const char *vbase = job->vp + (seg[g].page * job->vs_page
                                            + seg[g].first * job->vs_tok) * esz;
@@ -1013,6 +1240,23 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 const ak_ahead next = {nv + st, h * job->vs_head * esz, Dv * esz};
                 int whole = 1;
                 for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
+#ifdef AK_H16
+                if (h16) { /* float16 weights, the page's descale on their sums */
+                    const float f = unit * job->vd[seg[g].page * Hkv + h];
+                    const uint8_t *v8 = (const uint8_t *)vh;
+                    if (whole && !e4m3_has_nan(v8, job->vs_tok, len, Dv)) {
+                        for (int64_t r = r0; r < r1; ++r)
+                            to_h16(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
+                        for (int64_t r = r0; r < r1; r += 4)
+                            pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
+                                   AK_CHUNK, Dv, f, 4, acc + r * Dv, r == r0 ? &next : NULL);
+                        continue;
+                    }
+                    /* (the exact paths take float32 weights with the descale on them) */
+                    scale_rows(sc + r0 * AK_CHUNK, job->vd + seg[g].page * Hkv + h, unit, 1,
+                               rows_per_head, st, se);
+                }
+#endif
 #ifdef AK_FP8DOT
                 if (whole && fp8dot) { /* fp8 values by table */
                     const uint8_t *v8 = (const uint8_t *)vh;
@@ -1093,11 +1337,28 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     w.lo = ix;
     w.hi = ix + R;
     w.ipos = ix + 2 * R;
+#ifdef AK_H16
+    void *h16 = NULL;
+    if (job->h16) { /* q rows, one head's weights (at most R rows), the rows' powers of two */
+        h16 = malloc(sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK) + sizeof(float) * (size_t)R);
+        if (!h16) {
+            free(f);
+            free(ix);
+            return;
+        }
+        w.q16 = (_Float16 *)h16;
+        w.p16 = w.q16 + R * D;
+        w.qf = (float *)(w.p16 + R * AK_CHUNK);
+    }
+#endif
     for (;;) {
         const int64_t task = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (task >= job->ntasks) break;
         run_task(job, task, &w);
     }
+#ifdef AK_H16
+    free(h16);
+#endif
     free(f);
     free(ix);
 }
@@ -1136,6 +1397,12 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 #else
     if (job->bf16_dot) return 1;
 #endif
+#ifdef AK_H16
+    if (job->h16 && (job->dtype != AK_E4M3 || job->q_dtype != AK_BF16 || job->D % 32))
+        return 1; /* float16 arithmetic: e4m3 pages, bfloat16 q, D % 32 == 0 */
+#else
+    if (job->h16) return 1;
+#endif
     if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
         || job->vs_tok < 0 || job->vs_head < 0)
         return 1;
@@ -1156,7 +1423,7 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 
 /* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
  * nothing done) when check_args refuses the arguments. */
-int attnkit_decode(const void *q, int q_dtype, int bf16_dot, float scale, const void *kp,
+int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
                    const int64_t *bt, int64_t bt_cols, const int64_t *seqlens,
@@ -1169,7 +1436,8 @@ int attnkit_decode(const void *q, int q_dtype, int bf16_dot, float scale, const 
                    float softcap, const float *alibi, float *out, float *lse,
                    int nthreads) {
     ak_job job = {
-        .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = bf16_dot, .scale = scale,
+        .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = math & 1, .h16 = (math >> 1) & 1,
+        .scale = scale,
         .qs_b = dims[8], .qs_h = dims[9], .qs_i = dims[10],
         .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
         .ks_page = kstrides[0], .ks_tok = kstrides[1], .ks_head = kstrides[2],
@@ -1183,7 +1451,7 @@ int attnkit_decode(const void *q, int q_dtype, int bf16_dot, float scale, const 
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = 0, .next = 0,
     };
-    if (check_args(&job, dims[7])) return AK_BAD_ARGS;
+    if (math & ~3 || check_args(&job, dims[7])) return AK_BAD_ARGS;
 #ifdef AK_FP8DOT
     if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
 #endif
