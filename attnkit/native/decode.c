@@ -503,6 +503,7 @@ typedef struct {
 #ifdef AK_H16
     _Float16 *q16, *p16; /* AK_H16: q rows scaled to [0.5, 1), a head's weights (AK_CHUNK a row) */
     float *qf;           /* AK_H16: what scaled q row r down (a power of two) */
+    uint8_t *nan;        /* AK_H16: a page segment's kv heads with a NaN byte (Hkv) */
 #endif
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
@@ -799,19 +800,26 @@ AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
     return (__m512h)_mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xBFFF));
 }
 
-/* 1 when one of n rows of `bytes` e4m3 bytes (r + t * stride; bytes % 32 == 0) holds a NaN */
-AK_INLINE int e4m3_has_nan(const uint8_t *r, int64_t stride, int64_t n, int64_t bytes) {
+/* nan[h] = 1 when a row of kv head h holds a NaN byte, else 0, over n tokens of rows of
+ * `bytes` e4m3 bytes (bytes % 32 == 0) at p + t * ts + h * hs, h < H: token by token, so that
+ * this first look at a page segment reads it front to back (the later loops go head by head
+ * and find it in cache) */
+static void e4m3_nan_heads(const uint8_t *p, int64_t ts, int64_t hs, int64_t n, int64_t H,
+                           int64_t bytes, uint8_t *nan) {
     const __m512i m = _mm512_set1_epi8(0x7f);
-    __m512i mx = _mm512_setzero_si512();
-    for (int64_t t = 0; t < n; ++t, r += stride) {
-        int64_t o = 0;
-        for (; o + 64 <= bytes; o += 64)
-            mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
-        if (o < bytes)
-            mx = _mm512_max_epu8(mx, _mm512_and_si512(
-                _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(r + o))), m));
-    }
-    return _mm512_cmpeq_epi8_mask(mx, m) != 0;
+    memset(nan, 0, (size_t)H);
+    for (int64_t t = 0; t < n; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            const uint8_t *r = p + t * ts + h * hs;
+            __m512i mx = _mm512_setzero_si512();
+            int64_t o = 0;
+            for (; o + 64 <= bytes; o += 64)
+                mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
+            if (o < bytes)
+                mx = _mm512_max_epu8(mx, _mm512_and_si512(
+                    _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(r + o))), m));
+            nan[h] |= _mm512_cmpeq_epi8_mask(mx, m) != 0;
+        }
 }
 
 /* dst[t] = src[t] rounded to float16, t < n */
@@ -907,6 +915,7 @@ typedef struct {
 #ifdef AK_H16
     const _Float16 *q;
     const float *f;
+    const uint8_t *nan; /* nan[h]: the page segment's K rows of kv head h hold a NaN */
 #else
     int none;
 #endif
@@ -950,7 +959,7 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
             const uint8_t *kh0 = (const uint8_t *)k + h * kh;
             const ak_ahead head = {next->row, h * kh, next->bytes};
             const int64_t r0 = h * rows_per_head;
-            if (e4m3_has_nan(kh0, ks, len, D)) { /* this head exactly, in float32 */
+            if (q16->nan[h]) { /* this head exactly, in float32 */
                 ahead_all(&head, len);
                 for (int64_t tt = 0; tt < len; ++tt)
                     score_head((const char *)kh0 + tt * ks, dtype, qb + r0 * D, NULL,
@@ -1118,7 +1127,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         w->qf[r] = ldexpf(1.0f, e);
         for (int64_t d = 0; d < D; ++d) w->q16[r * D + d] = (_Float16)(qb[r * D + d] * down);
     }
-    const ak_q16 q16v = {w->q16, w->qf}, *q16 = h16 ? &q16v : NULL;
+    const ak_q16 q16v = {w->q16, w->qf, w->nan}, *q16 = h16 ? &q16v : NULL;
 #else
     const int h16 = 0;
     const ak_q16 *q16 = NULL;
@@ -1161,6 +1170,11 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
             const ak_ahead next = {nk + seg[g].t, 0, D * esz};
+#ifdef AK_H16
+            if (h16)
+                e4m3_nan_heads((const uint8_t *)kbase, job->ks_tok, job->ks_head, seg[g].len,
+                               Hkv, D, w->nan);
+#endif
             score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
                          &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
@@ -1234,6 +1248,11 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 scale_rows(sc, job->vd + seg[g].page * Hkv, unit, Hkv, rows_per_head, st, se);
             const char *vbase = job->vp + (seg[g].page * job->vs_page
                                            + seg[g].first * job->vs_tok) * esz;
+#ifdef AK_H16
+            if (h16)
+                e4m3_nan_heads((const uint8_t *)vbase, job->vs_tok, job->vs_head, len, Hkv, Dv,
+                               w->nan);
+#endif
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
                 const char *vh = vbase + h * job->vs_head * esz;
@@ -1244,7 +1263,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 if (h16) { /* float16 weights, the page's descale on their sums */
                     const float f = unit * job->vd[seg[g].page * Hkv + h];
                     const uint8_t *v8 = (const uint8_t *)vh;
-                    if (whole && !e4m3_has_nan(v8, job->vs_tok, len, Dv)) {
+                    if (whole && !w->nan[h]) {
                         for (int64_t r = r0; r < r1; ++r)
                             to_h16(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
                         for (int64_t r = r0; r < r1; r += 4)
@@ -1340,7 +1359,8 @@ static void decode_worker(void *arg, int worker, int nworkers) {
 #ifdef AK_H16
     void *h16 = NULL;
     if (job->h16) { /* q rows, one head's weights (at most R rows), the rows' powers of two */
-        h16 = malloc(sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK) + sizeof(float) * (size_t)R);
+        h16 = malloc(sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK) + sizeof(float) * (size_t)R
+                     + (size_t)job->Hkv);
         if (!h16) {
             free(f);
             free(ix);
@@ -1349,6 +1369,7 @@ static void decode_worker(void *arg, int worker, int nworkers) {
         w.q16 = (_Float16 *)h16;
         w.p16 = w.q16 + R * D;
         w.qf = (float *)(w.p16 + R * AK_CHUNK);
+        w.nan = (uint8_t *)(w.qf + R);
     }
 #endif
     for (;;) {
