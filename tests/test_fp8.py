@@ -905,6 +905,32 @@ def test_bench_fp8_cases_run_attnkit_on_quantized_inputs(extra):
         "paged_decode" if decode else "causal_4k"].features()
 
 
+def test_bench_wide_cache_peer_times_the_same_kv_in_a_16_bit_cache():
+    """``--peers attnkit,attnkit-wide``: on an fp8 paged case the yardstick runs
+    paged_attention over the same K/V in a bfloat16 cache (the oracle's result on the
+    unquantized K/V), so its ratio to attnkit is the fp8 cache's speedup; it declines every
+    other case."""
+    from attnkit.bench.cases import Case, catalog
+    from attnkit.bench.peers import PEERS, make_call, paged_cache
+    from attnkit.bench.workloads import make_workload
+
+    wide = PEERS["attnkit-wide"]
+    case = Case("t_fp8_wide", batch=2, heads_q=4, heads_kv=2, len_q=1, len_kv=70, d_qk=16,
+                causal=True, diagonal="bottom_right", passes=("fwd",),
+                extra={"fp8": "e4m3", "page_size": 16})
+    assert wide.supports(case, "fwd") == []
+    assert wide.supports(catalog()["paged_decode"], "fwd")
+    assert wide.supports(catalog()["causal_4k_fp8"], "fwd")
+    w = make_workload(case, torch.bfloat16)
+    assert paged_cache(w, wide=True).k_pages.dtype == torch.bfloat16
+    out = make_call(wide, w, "fwd")()
+    kw = dict(causal=True, diagonal="bottom_right")
+    ref = attention_reference(w.q.double(), w.k.double(), w.v.double(), **kw)
+    ok, err, base = fa_tolerance_ok(out, ref, _plain(w.q.double(), w.k.double(), w.v.double(),
+                                                     **kw))
+    assert ok, (err, base)
+
+
 def test_fp8_pages_are_a_feature_only_decode_declares():
     """An executor that reads pages but not their descales must refuse fp8 pages."""
     from attnkit import backends

@@ -174,8 +174,9 @@ def _attnkit_varlen(w: Workload) -> Forward:
     return forward
 
 
-def paged_cache(w: Workload) -> Any:
-    """A :class:`attnkit.PagedKVCache` holding the workload's K/V, sequence ids ``0..B-1``.
+def paged_cache(w: Workload, wide: bool = False) -> Any:
+    """A :class:`attnkit.PagedKVCache` holding the workload's K/V, sequence ids ``0..B-1``, in
+    the case's fp8 format if it has one (``wide``: in the workload's dtype regardless).
 
     Pages are shuffled: the sequences' page-sized chunks are appended in a seeded random
     interleaving, so no sequence owns consecutive pages.
@@ -185,7 +186,8 @@ def paged_cache(w: Workload) -> Any:
     c = w.case
     ps = int(c.extra["page_size"])
     chunks = -(-c.lk // ps)
-    dtype = _fp8_dtype(c) or w.dtype  # an fp8 cache quantizes the workload's K/V on append
+    # an fp8 cache quantizes the workload's K/V on append
+    dtype = w.dtype if wide else _fp8_dtype(c) or w.dtype
     cache = attnkit.PagedKVCache(c.batch * chunks, ps, c.hkv, c.d_qk, dtype, v_head_dim=c.dv)
     for b in range(c.batch):
         cache.allocate(b)
@@ -326,6 +328,38 @@ def _mask_kind(c: Case) -> str:
     if c.len_q == 1 and c.lk >= 1:  # one query at the bottom-right sees every key
         return "none"
     return "lower_right"
+
+
+class AttnkitWideCache(Attnkit):
+    """The fp8 paged cases' yardstick: attnkit's ``paged_attention`` on the same K/V in a cache
+    of the workload's dtype (bfloat16), timed interleaved with the fp8 cache round by round, so
+    its ratio to attnkit is the fp8 cache's speedup measured in the same minutes (this VM's
+    speed drifts between cases of one run). Add it with ``--peers attnkit,attnkit-wide``."""
+
+    name = "attnkit-wide"
+    label = "attnkit, 16-bit cache"
+
+    def supports(self, case: Case, pass_: str) -> List[str]:
+        if "fp8" not in case.extra or "page_size" not in case.extra:
+            return ["runs the fp8 paged cases only (their K/V in a 16-bit cache)"]
+        return super().supports(case, pass_)
+
+    def remarks(self, case: Case, pass_: str) -> List[str]:
+        return [f"paged_attention over the same K/V in a 16-bit cache of "
+                f"{case.extra['page_size']}-token shuffled pages: its ratio is the fp8 cache's "
+                f"speedup"]
+
+    def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
+        import attnkit
+
+        cache = w.cached("paged_cache_wide", lambda: paged_cache(w, wide=True))
+        ids = list(range(w.case.batch))
+        opts: Dict[str, Any] = {"causal": w.case.causal, "diagonal": w.case.diagonal}
+
+        def forward_paged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return attnkit.paged_attention(q, cache, ids, scale=w.scale, **opts)
+
+        return forward_paged
 
 
 class Sdpa(Peer):
@@ -626,7 +660,8 @@ class Naive(Peer):
 # --------------------------------------------------------------------------- registry
 
 PEERS: Dict[str, Peer] = {p.name: p for p in (Attnkit(), Sdpa(), Flex(), FlexCompiled(), Naive(),
-                                                AttnkitCompiled(), SdpaCompiled())}
+                                                AttnkitCompiled(), SdpaCompiled(),
+                                                AttnkitWideCache())}
 """Every peer by name, the subject (``attnkit``) first."""
 
 SUBJECT = "attnkit"

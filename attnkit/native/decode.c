@@ -1110,22 +1110,25 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
      * element leave this sequence to the exact paths */
     int h16 = job->h16 && rows_per_head % 4 == 0 && D >= 32 && D <= 128 && Dv % 32 == 0;
     for (int64_t r = 0; h16 && r < R; ++r) {
-        float mx = 0.0f;
-        int bad = 0;
-        for (int64_t d = 0; d < D; ++d) {
-            const float x = fabsf(qb[r * D + d]);
-            bad |= !(x <= FLT_MAX);
-            mx = x > mx ? x : mx;
+        const float *x = qb + r * D;
+        __m512 mxv = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + d));
+            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); /* inf, NaN */
+            mxv = _mm512_max_ps(mxv, a);
         }
         int e = 0;
-        frexpf(mx, &e); /* mx = m * 2^e, m in [0.5, 1) (e = 0 for 0) */
+        frexpf(_mm512_reduce_max_ps(mxv), &e); /* max = m * 2^e, m in [0.5, 1) (0: e = 0) */
         if (bad || e > 100 || e < -100) {
             h16 = 0;
             break;
         }
-        const float down = ldexpf(1.0f, -e);
+        const __m512 down = _mm512_set1_ps(ldexpf(1.0f, -e));
         w->qf[r] = ldexpf(1.0f, e);
-        for (int64_t d = 0; d < D; ++d) w->q16[r * D + d] = (_Float16)(qb[r * D + d] * down);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_ph(w->q16 + r * D + d,
+                             _mm512_cvtxps_ph(_mm512_mul_ps(_mm512_loadu_ps(x + d), down)));
     }
     const ak_q16 q16v = {w->q16, w->qf, w->nan}, *q16 = h16 ? &q16v : NULL;
 #else
