@@ -85,8 +85,11 @@ def test_out_dtype_and_fp8_output_follow_the_options(kernel_pages):
     ref = attention_reference(_deq(q8, dq), _deq(k8, dk), _deq(v8, dv), causal=True,
                               diagonal="bottom_right")
     torch.testing.assert_close(f32.double(), ref, atol=1e-5, rtol=1e-4)
-    # e4m3 keeps 3 mantissa bits: within half an ulp (2^-4 relative) of the scaled output
-    assert bool(((o8.double() / 4 - ref).abs() <= ref.abs() * 2 ** -4 + 1e-3).all())
+    # e4m3 keeps 3 mantissa bits: within half an ulp (2^-4 relative) of the scaled output,
+    # plus the error of the output before rounding (bfloat16 q: the kernel may compute in
+    # float16, about 1e-3 of the largest output; bounded here by bfloat16's half ulp there)
+    slack = 2 ** -8 * ref.abs().max().item()
+    assert bool(((o8.double() / 4 - ref).abs() <= ref.abs() * 2 ** -4 + slack).all())
 
 
 def test_what_the_in_place_read_cannot_take_is_dequantized_as_before(kernel_pages):

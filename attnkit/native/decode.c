@@ -504,6 +504,7 @@ typedef struct {
     _Float16 *q16, *p16; /* AK_H16: q rows scaled to [0.5, 1), a head's weights (AK_CHUNK a row) */
     float *qf;           /* AK_H16: what scaled q row r down (a power of two) */
     uint8_t *nan;        /* AK_H16: a page segment's kv heads with a NaN byte (Hkv) */
+    __m512i *mx;         /* AK_H16: e4m3_nan_heads' per-head maxima (Hkv) */
 #endif
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
@@ -789,10 +790,10 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
  * and rounded to float16, four products a lane summed in float16 (|sum| <= 7: e4m3 values
  * times 2^-8 are at most 1.75), the two 256-bit halves added in float16 and the rest in
  * float32. P V: the softmax weights (in [0, 1]) rounded to float16, at most AK_H16_RUN tokens
- * summed in float16 (|sum| <= 56) and then added, times the page's descale, into the
+ * summed in float16 (|sum| <= 112) and then added, times the page's descale, into the
  * float32 sums. The errors (about 2^-11 of the terms) are far below the inputs' own (2^-4)
  * and within FlashAttention's rule against the same computation in bfloat16 (tests). */
-#define AK_H16_RUN 32
+#define AK_H16_RUN 64
 
 /* 32 e4m3 bytes at p as float16 (their values times 2^-8) */
 AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
@@ -805,21 +806,22 @@ AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
  * this first look at a page segment reads it front to back (the later loops go head by head
  * and find it in cache) */
 static void e4m3_nan_heads(const uint8_t *p, int64_t ts, int64_t hs, int64_t n, int64_t H,
-                           int64_t bytes, uint8_t *nan) {
+                           int64_t bytes, __m512i *mx, uint8_t *nan) {
     const __m512i m = _mm512_set1_epi8(0x7f);
-    memset(nan, 0, (size_t)H);
+    for (int64_t h = 0; h < H; ++h) mx[h] = _mm512_setzero_si512();
     for (int64_t t = 0; t < n; ++t)
-        for (int64_t h = 0; h < H; ++h) {
+        for (int64_t h = 0; h < H; ++h) { /* mx[h]: the largest byte of head h, sign off */
             const uint8_t *r = p + t * ts + h * hs;
-            __m512i mx = _mm512_setzero_si512();
+            __m512i x = mx[h];
             int64_t o = 0;
             for (; o + 64 <= bytes; o += 64)
-                mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
+                x = _mm512_max_epu8(x, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
             if (o < bytes)
-                mx = _mm512_max_epu8(mx, _mm512_and_si512(
+                x = _mm512_max_epu8(x, _mm512_and_si512(
                     _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(r + o))), m));
-            nan[h] |= _mm512_cmpeq_epi8_mask(mx, m) != 0;
+            mx[h] = x;
         }
+    for (int64_t h = 0; h < H; ++h) nan[h] = _mm512_cmpeq_epi8_mask(mx[h], m) != 0;
 }
 
 /* dst[t] = src[t] rounded to float16, t < n */
@@ -1176,7 +1178,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
 #ifdef AK_H16
             if (h16)
                 e4m3_nan_heads((const uint8_t *)kbase, job->ks_tok, job->ks_head, seg[g].len,
-                               Hkv, D, w->nan);
+                               Hkv, D, w->mx, w->nan);
 #endif
             score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
                          &next);
@@ -1254,7 +1256,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
 #ifdef AK_H16
             if (h16)
                 e4m3_nan_heads((const uint8_t *)vbase, job->vs_tok, job->vs_head, len, Hkv, Dv,
-                               w->nan);
+                               w->mx, w->nan);
 #endif
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
@@ -1362,14 +1364,16 @@ static void decode_worker(void *arg, int worker, int nworkers) {
 #ifdef AK_H16
     void *h16 = NULL;
     if (job->h16) { /* q rows, one head's weights (at most R rows), the rows' powers of two */
-        h16 = malloc(sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK) + sizeof(float) * (size_t)R
-                     + (size_t)job->Hkv);
+        h16 = aligned_alloc(64, ((sizeof(__m512i) + 1) * (size_t)job->Hkv
+                                 + sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK)
+                                 + sizeof(float) * (size_t)R + 63) / 64 * 64);
         if (!h16) {
             free(f);
             free(ix);
             return;
         }
-        w.q16 = (_Float16 *)h16;
+        w.mx = (__m512i *)h16;
+        w.q16 = (_Float16 *)(w.mx + job->Hkv);
         w.p16 = w.q16 + R * D;
         w.qf = (float *)(w.p16 + R * AK_CHUNK);
         w.nan = (uint8_t *)(w.qf + R);
