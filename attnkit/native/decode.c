@@ -498,7 +498,7 @@ static void scale_rows(float *sc, const float *descale, float unit, int64_t Hkv,
 
 /* Per-thread scratch for one work item; sized for R = Hq * Lq rows. */
 typedef struct {
-    float *acc, *sc, *m, *l, *slope, *q;
+    float *acc, *sc, *m, *l, *slope, *q, *cmx;
     uint16_t *qh; /* q rows in bfloat16 */
 #ifdef AK_H16
     _Float16 *q16, *p16; /* AK_H16: q rows scaled to [0.5, 1), a head's weights (AK_CHUNK a row) */
@@ -1083,7 +1083,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int dtype = job->dtype, esz = AK_ESZ(dtype);
     /* fp8: what a converted element is worth before the page's descale (e4m3: 2^8) */
     const float unit = dtype == AK_E4M3 ? 256.0f : 1.0f;
-    float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope;
+    float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope, *cmx = w->cmx;
     int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
     /* this sequence's query rows (row r = hq * Lq + i), in float32 times the scale, and as
      * given in bfloat16 for the dot products (exact products, the scale after) */
@@ -1189,12 +1189,11 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         /* score terms, visibility, online softmax; 16 lanes at a time over the chunk's lanes
          * (lanes past n are masked like invisible keys) */
         const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        /* first every row's terms, visibility and chunk maximum (cmx; no row waits on
+         * another's), then the softmax updates that depend on them */
         for (int64_t r = 0; r < R; ++r) {
             float *sr = sc + r * AK_CHUNK;
-            if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
-                memset(sr, 0, (size_t)nw * sizeof(float));
-                continue;
-            }
+            if (isnan(m[r])) continue; /* (the row is NaN: below) */
             /* visible t: [a, e) within the chunk */
             const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
             const float ip = (float)(ipos[r] - c0), sl = slope[r];
@@ -1212,7 +1211,15 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 mxv = ak_select(v > mxv, v, mxv);
                 memcpy(sr + t0, &v, sizeof v);
             }
-            const float mx = hmax(mxv);
+            cmx[r] = hmax(mxv);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            float *sr = sc + r * AK_CHUNK;
+            if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
+                memset(sr, 0, (size_t)nw * sizeof(float));
+                continue;
+            }
+            const float mx = cmx[r];
             if (mx == -INFINITY) { /* nothing visible (or only -inf, NaN) in this chunk */
                 int nan = 0;
                 for (int64_t t = 0; t < nw; ++t) nan |= isnan(sr[t]);
@@ -1344,7 +1351,7 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     ak_scratch w;
     const int64_t D = job->D; /* (q rows in float32, then in bfloat16: D floats a row) */
     float *f = (float *)malloc(sizeof(float)
-                               * (size_t)(R * job->Dv + R * AK_CHUNK + 3 * R + 2 * R * D));
+                               * (size_t)(R * job->Dv + R * AK_CHUNK + 4 * R + 2 * R * D));
     int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * R));
     if (!f || !ix) {
         free(f);
@@ -1356,7 +1363,8 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     w.m = w.sc + R * AK_CHUNK;
     w.l = w.m + R;
     w.slope = w.l + R;
-    w.q = w.slope + R;
+    w.cmx = w.slope + R;
+    w.q = w.cmx + R;
     w.qh = (uint16_t *)(w.q + R * D);
     w.lo = ix;
     w.hi = ix + R;
