@@ -340,9 +340,10 @@ class AttnkitWideCache(Attnkit):
     label = "attnkit, 16-bit cache"
 
     def supports(self, case: Case, pass_: str) -> List[str]:
+        reasons = super().supports(case, pass_)
         if "fp8" not in case.extra or "page_size" not in case.extra:
-            return ["runs the fp8 paged cases only (their K/V in a 16-bit cache)"]
-        return super().supports(case, pass_)
+            reasons.append("runs the fp8 paged cases only (their K/V in a 16-bit cache)")
+        return reasons
 
     def remarks(self, case: Case, pass_: str) -> List[str]:
         return [f"paged_attention over the same K/V in a 16-bit cache of "
