@@ -58,7 +58,15 @@ def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dt
                where: Optional[Tensor] = None) -> Tensor:
     """ALiBi ``-slope * |i' - j|`` for query rows [q0, q1) and key positions ``j``:
     ``(N|1, Hq, rows, keys)``. With ``where`` (visibility), hidden pairs get ``-inf`` through
-    the head-independent distance (``inf * -slope``; every slope must be > 0)."""
+    the head-independent distance (``inf * -slope``; every slope must be > 0). On the CPU
+    the native kernel writes the same tile in one pass (:func:`attnkit.native.alibi_tile`)."""
+    if spec.q.device.type == "cpu" and (where is None or where.shape[1] == 1):
+        from . import native
+
+        tile = native.alibi_tile(spec.aligned_rows(q0, q1), j, spec.alibi_rows(q0, q1), where,
+                                 dtype)
+        if tile is not None:
+            return tile
     dist = (spec.aligned_rows(q0, q1) - j.view(1, 1, 1, -1)).abs_().to(dtype)
     if where is not None:
         dist = torch.where(where, dist, torch.full((), float("inf"), dtype=dtype,

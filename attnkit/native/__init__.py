@@ -57,10 +57,12 @@ from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
-           "softcap_backward", "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning"]
+           "softcap_backward", "alibi_tile", "pool_stats", "MAX_QUERY_ROWS",
+           "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "pool.c")
+_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
+            _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
 _ABI = 10  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
@@ -251,6 +253,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_softcap_forward.restype = None
         lib.attnkit_softcap_backward.argtypes = [p, p, p, i64, f32, i32]
         lib.attnkit_softcap_backward.restype = None
+        lib.attnkit_alibi_tile.argtypes = [p, i32, i64, i64, i64, i64, p, i64, p, p, i64, i64,
+                                           p, i64, p]
+        lib.attnkit_alibi_tile.restype = i32
         lib.attnkit_pool_stats.argtypes = [p]
         lib.attnkit_pool_stats.restype = None
         lib.attnkit_pool_check.argtypes = [i64, i32, i64]  # the pool's self-check (tests)
@@ -619,6 +624,48 @@ def philox_fill(c0: Tensor, c1: Tensor, c2: Tensor, seed: int, offset: int, out:
 def _plain_f32(*xs: Tensor) -> bool:
     return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
                for x in xs)
+
+
+def alibi_tile(ip: Tensor, j: Tensor, slopes: Tensor, vis: Optional[Tensor],
+               dtype: torch.dtype) -> Optional[Tensor]:
+    """ALiBi's additive tile ``-slope * |i' - j|`` in ``dtype`` (``-inf`` where ``vis`` is
+    False), ``(N, H, rows, keys)``, in one pass and bit for bit what
+    :func:`attnkit.score_terms.alibi_term` builds in torch ops (each value rounded as torch's
+    casts and multiply round it): ``ip (N|1, 1, rows, 1)`` the aligned query positions,
+    ``j (keys,)`` the key positions, ``slopes (N|1, H, rows|1, 1)`` (float32 or ``dtype``),
+    ``vis (N|1, 1, rows, keys)`` bool or None. None when the kernel is unavailable or the call
+    does not qualify (slopes that need a gradient, other shapes or devices): the caller uses
+    torch."""
+    lib = _lib()
+    if lib is None or dtype not in _DTYPES or slopes.dtype not in (torch.float32, dtype):
+        return None
+    if any(x.device.type != "cpu" for x in (ip, j, slopes)) or (
+            slopes.requires_grad and torch.is_grad_enabled()):
+        return None
+    if (ip.dim() != 4 or ip.shape[1] != 1 or ip.shape[3] != 1 or j.dim() != 1
+            or slopes.dim() != 4 or slopes.shape[3] != 1 or ip.dtype != torch.int64):
+        return None
+    rows, keys, heads, s_r = ip.shape[2], j.shape[0], slopes.shape[1], slopes.shape[2]
+    v_n = 1
+    if vis is not None:
+        if (vis.device.type != "cpu" or vis.dtype != torch.bool or vis.dim() != 4
+                or vis.shape[1] != 1 or tuple(vis.shape[2:]) != (rows, keys)):
+            return None
+        v_n = vis.shape[0]
+    n = max(ip.shape[0], slopes.shape[0], v_n)
+    if s_r not in (1, rows) or any(m not in (1, n) for m in (ip.shape[0], slopes.shape[0], v_n)):
+        return None
+    ipc = ip.reshape(ip.shape[0], rows).contiguous()
+    jc = j.to(torch.int64).contiguous()
+    sc = slopes.detach().to(torch.float32).reshape(slopes.shape[0], heads, s_r).contiguous()
+    vc = None if vis is None else vis.reshape(v_n, rows, keys).contiguous()
+    out = torch.empty(n, heads, rows, keys, dtype=dtype)
+    jf = torch.empty(keys, dtype=torch.float32)  # (the kernel's scratch)
+    rc = lib.attnkit_alibi_tile(out.data_ptr(), _DTYPES[dtype], n, heads, rows, keys,
+                                ipc.data_ptr(), ipc.shape[0], jc.data_ptr(), sc.data_ptr(),
+                                sc.shape[0], s_r, None if vc is None else vc.data_ptr(), v_n,
+                                jf.data_ptr())
+    return out if rc == 0 else None
 
 
 def softcap_forward_(x: Tensor, cap: float) -> bool:
