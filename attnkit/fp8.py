@@ -132,44 +132,45 @@ def quantize_dp(dp: Tensor, dp_scale: float) -> Tensor:
     return cast_fp8(dp * dp_scale, DP_DTYPE).to(dp.dtype) * (1.0 / dp_scale)
 
 
+def _check_scaled_dtype(arg: str, dtype: Any, scales: dict, stored: str, suggested: str,
+                        fp8_hint: str) -> None:
+    """``arg`` (a float or fp8 dtype, or None) and the scales of an fp8 ``arg`` (``scales``:
+    name -> value; each required with an fp8 dtype, refused otherwise). ``stored`` says what
+    a scale does (``{name}`` stands for it), ``suggested`` where a value comes from, and
+    ``fp8_hint`` which fp8 dtype to pass."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype)
+                              or dtype not in _FLOAT + FP8_DTYPES):
+        raise TypeError(f"{arg} must be torch.bfloat16, torch.float32, torch.float16, "
+                        f"torch.float64 or an fp8 dtype (with {', '.join(scales)}); "
+                        f"got {dtype!r}")
+    for name, value in scales.items():
+        scale = check_positive(name, value)
+        if dtype in FP8_DTYPES and scale is None:
+            raise ValueError(f"{arg}={dtype} needs {name} ({stored.format(name=name)}); e.g. "
+                             f"{name}=1.0, or the suggested scale of {suggested}")
+        if scale is not None and dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} is for an fp8 {arg}; got {arg}={dtype}: pass "
+                             f"{arg}={fp8_hint}, or drop {name}")
+
+
 def check_out_dtype(out_dtype: Any, out_scale: Any) -> Tuple[Optional[torch.dtype],
                                                              Optional[float]]:
     """``out_dtype`` (a float or fp8 dtype, or None) and ``out_scale`` (required with an fp8
     ``out_dtype``, refused otherwise)."""
-    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype)
-                                  or out_dtype not in _FLOAT + FP8_DTYPES):
-        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float32, torch.float16, "
-                        f"torch.float64 or an fp8 dtype (with out_scale); got {out_dtype!r}")
-    scale = check_positive("out_scale", out_scale)
-    if out_dtype in FP8_DTYPES and scale is None:
-        raise ValueError(f"out_dtype={out_dtype} needs out_scale (cuDNN's scale_o: the output "
-                         f"is stored as fp8(out * out_scale)); e.g. out_scale=1.0, or the "
-                         f"suggested scale of the previous step's amax_o")
-    if scale is not None and out_dtype not in FP8_DTYPES:
-        raise ValueError(f"out_scale is for an fp8 out_dtype; got out_dtype={out_dtype}: pass "
-                         f"out_dtype=torch.float8_e4m3fn (or e5m2), or drop out_scale")
-    return out_dtype, scale
+    _check_scaled_dtype("out_dtype", out_dtype, {"out_scale": out_scale},
+                        "cuDNN's scale_o: the output is stored as fp8(out * out_scale)",
+                        "the previous step's amax_o", "torch.float8_e4m3fn (or e5m2)")
+    return out_dtype, check_positive("out_scale", out_scale)
 
 
 def check_grad_dtype(grad_dtype: Any, scales: dict) -> None:
     """:func:`attnkit.attention_backward`'s ``grad_dtype`` (a float or fp8 dtype, or None) and
     its ``scale_dq``/``scale_dk``/``scale_dv`` (``scales``: name -> value; each required with
     an fp8 ``grad_dtype``, refused otherwise)."""
-    if grad_dtype is not None and (not isinstance(grad_dtype, torch.dtype)
-                                   or grad_dtype not in _FLOAT + FP8_DTYPES):
-        raise TypeError(f"grad_dtype must be torch.bfloat16, torch.float32, torch.float16, "
-                        f"torch.float64 or an fp8 dtype (with scale_dq, scale_dk, scale_dv); "
-                        f"got {grad_dtype!r}")
-    for name, value in scales.items():
-        scale = check_positive(name, value)
-        if grad_dtype in FP8_DTYPES and scale is None:
-            raise ValueError(f"grad_dtype={grad_dtype} needs {name} (cuDNN's scale for that "
-                             f"gradient: it is stored as fp8(grad * {name})); e.g. {name}=1.0, "
-                             f"or the suggested scale of the previous step's amax "
-                             f"(return_amax=True)")
-        if scale is not None and grad_dtype not in FP8_DTYPES:
-            raise ValueError(f"{name} is for an fp8 grad_dtype; got grad_dtype={grad_dtype}: "
-                             f"pass grad_dtype=torch.float8_e5m2 (or e4m3fn), or drop {name}")
+    _check_scaled_dtype("grad_dtype", grad_dtype, scales,
+                        "cuDNN's scale for that gradient: it is stored as fp8(grad * {name})",
+                        "the previous step's amax (return_amax=True)",
+                        "torch.float8_e5m2 (or e4m3fn)")
 
 
 def finish_output(out: Tensor, out_dtype: Optional[torch.dtype],

@@ -60,18 +60,18 @@ def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dt
     ``(N|1, Hq, rows, keys)``. With ``where`` (visibility), hidden pairs get ``-inf`` through
     the head-independent distance (``inf * -slope``; every slope must be > 0). On the CPU
     the native kernel writes the same tile in one pass (:func:`attnkit.native.alibi_tile`)."""
+    ip, slopes = spec.aligned_rows(q0, q1), spec.alibi_rows(q0, q1)
     if spec.q.device.type == "cpu" and (where is None or where.shape[1] == 1):
         from . import native
 
-        tile = native.alibi_tile(spec.aligned_rows(q0, q1), j, spec.alibi_rows(q0, q1), where,
-                                 dtype)
+        tile = native.alibi_tile(ip, j, slopes, where, dtype)
         if tile is not None:
             return tile
-    dist = (spec.aligned_rows(q0, q1) - j.view(1, 1, 1, -1)).abs_().to(dtype)
+    dist = (ip - j.view(1, 1, 1, -1)).abs_().to(dtype)
     if where is not None:
         dist = torch.where(where, dist, torch.full((), float("inf"), dtype=dtype,
                                                    device=dist.device))
-    return dist * spec.alibi_rows(q0, q1).to(dtype).neg()
+    return dist * slopes.to(dtype).neg()
 
 
 def softcap_(s: Tensor, cap: float, inplace: bool) -> Tensor:

@@ -232,6 +232,20 @@ def _attnkit_fp8(w: Workload, kw: Dict[str, Any]) -> Forward:
     return forward
 
 
+def _paged_forward(w: Workload, cache: Any) -> Forward:
+    """``paged_attention`` over ``cache`` (sequence ids ``0..B-1``, see :func:`paged_cache`)
+    with the case's mask."""
+    import attnkit
+
+    ids = list(range(w.case.batch))
+    opts: Dict[str, Any] = {"causal": w.case.causal, "diagonal": w.case.diagonal}
+
+    def forward_paged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attnkit.paged_attention(q, cache, ids, scale=w.scale, **opts)
+
+    return forward_paged
+
+
 class Attnkit(Peer):
     """:func:`attnkit.attention`, the subject (``varlen_attention`` / ``paged_attention`` for
     the varlen and paged cases)."""
@@ -269,14 +283,7 @@ class Attnkit(Peer):
         if "varlen" in c.extra:
             return _attnkit_varlen(w)
         if "page_size" in c.extra:
-            cache = w.cached("paged_cache", lambda: paged_cache(w))
-            ids = list(range(c.batch))
-            opts: Dict[str, Any] = {"causal": c.causal, "diagonal": c.diagonal}
-
-            def forward_paged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                return attnkit.paged_attention(q, cache, ids, scale=w.scale, **opts)
-
-            return forward_paged
+            return _paged_forward(w, w.cached("paged_cache", lambda: paged_cache(w)))
         kw = attnkit_kwargs(w, table)
         if "dropout_p" in c.extra:
             kw.update(dropout_p=float(c.extra["dropout_p"]), seed=c.seed)
@@ -351,16 +358,7 @@ class AttnkitWideCache(Attnkit):
                 f"speedup"]
 
     def build(self, w: Workload, table: Optional[Tensor]) -> Forward:
-        import attnkit
-
-        cache = w.cached("paged_cache_wide", lambda: paged_cache(w, wide=True))
-        ids = list(range(w.case.batch))
-        opts: Dict[str, Any] = {"causal": w.case.causal, "diagonal": w.case.diagonal}
-
-        def forward_paged(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return attnkit.paged_attention(q, cache, ids, scale=w.scale, **opts)
-
-        return forward_paged
+        return _paged_forward(w, w.cached("paged_cache_wide", lambda: paged_cache(w, wide=True)))
 
 
 class Sdpa(Peer):

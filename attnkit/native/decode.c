@@ -52,7 +52,6 @@ enum { AK_BAD_ARGS = 2 };
 typedef float ak_v8 __attribute__((vector_size(32)));
 typedef float ak_v4 __attribute__((vector_size(16)));
 typedef uint16_t ak_vu16 __attribute__((vector_size(32)));
-typedef uint32_t ak_vu32 __attribute__((vector_size(64)));
 typedef uint8_t ak_vu8 __attribute__((vector_size(16)));
 #ifdef __FLT16_MAX__
 typedef _Float16 ak_vh __attribute__((vector_size(32)));
@@ -863,29 +862,29 @@ AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const 
 #undef AK_DOT
 }
 
-/* acc_g += f * sum_t p[g * ps + t] * v_t for ROWS rows g and the value dims [d0, d0 + NB * 32)
- * (constants where inlined), over n e4m3 value rows v_t = v + t * vstride (bytes) and float16
+/* acc_g += f * sum_t p[g * ps + t] * v_t for 4 rows g and the value dims [d0, d0 + NB * 32)
+ * (NB a constant where inlined), over n e4m3 value rows v_t = v + t * vstride (bytes) and float16
  * weights p, in runs of at most AK_H16_RUN tokens summed in float16 */
 AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
-                            int64_t ps, int64_t Dv, int64_t d0, float f, int ROWS, int NB,
-                            float *acc, const ak_ahead *pf) {
+                            int64_t ps, int64_t Dv, int64_t d0, float f, int NB, float *acc,
+                            const ak_ahead *pf) {
     const __m512 fv = _mm512_set1_ps(f);
     for (int64_t t0 = 0; t0 < n; t0 += AK_H16_RUN) {
         const int64_t t1 = t0 + AK_H16_RUN < n ? t0 + AK_H16_RUN : n;
         __m512h a[4][4];
-        for (int g = 0; g < ROWS; ++g)
+        for (int g = 0; g < 4; ++g)
             for (int j = 0; j < NB; ++j) a[g][j] = _mm512_setzero_ph();
         for (int64_t t = t0; t < t1; ++t) {
             if (d0 == 0) ahead(pf, t);
             const uint8_t *r = v + t * vstride + d0;
             __m512h x[4];
             for (int j = 0; j < NB; ++j) x[j] = e4m3_h16(r + j * 32);
-            for (int g = 0; g < ROWS; ++g) {
+            for (int g = 0; g < 4; ++g) {
                 const __m512h w = _mm512_set1_ph(p[g * ps + t]);
                 for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ph(w, x[j], a[g][j]);
             }
         }
-        for (int g = 0; g < ROWS; ++g)
+        for (int g = 0; g < 4; ++g)
             for (int j = 0; j < NB; ++j) {
                 float *o = acc + g * Dv + d0 + j * 32;
                 const __m512i h = _mm512_castph_si512(a[g][j]);
@@ -900,14 +899,13 @@ AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const 
 
 /* pv_h16_block over all of Dv (Dv % 32 == 0), 128 dims at a time */
 AK_INLINE void pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
-                      int64_t ps, int64_t Dv, float f, int ROWS, float *acc,
-                      const ak_ahead *pf) {
+                      int64_t ps, int64_t Dv, float f, float *acc, const ak_ahead *pf) {
     for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
         const int64_t nb = (Dv - d0) / 32;
-        if (nb >= 4) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 4, acc, pf);
-        else if (nb == 3) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 3, acc, pf);
-        else if (nb == 2) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 2, acc, pf);
-        else pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, ROWS, 1, acc, pf);
+        if (nb >= 4) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 4, acc, pf);
+        else if (nb == 3) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 3, acc, pf);
+        else if (nb == 2) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 2, acc, pf);
+        else pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 1, acc, pf);
     }
 }
 #endif
@@ -1280,7 +1278,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                             to_h16(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
                         for (int64_t r = r0; r < r1; r += 4)
                             pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
-                                   AK_CHUNK, Dv, f, 4, acc + r * Dv, r == r0 ? &next : NULL);
+                                   AK_CHUNK, Dv, f, acc + r * Dv, r == r0 ? &next : NULL);
                         continue;
                     }
                     /* (the exact paths take float32 weights with the descale on them) */
@@ -1532,12 +1530,7 @@ AK_INLINE void dq_store(const ak_dq_job *p, int64_t i, ak_vf f, int64_t count) {
         memcpy((float *)p->dst + i, &f, (size_t)count * sizeof(float));
         return;
     }
-    ak_vu32 u;
-    memcpy(&u, &f, sizeof u);
-    const ak_vu32 nan = (ak_vu32)((u & 0x7fffffffu) > 0x7f800000u);
-    ak_vu32 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
-    const ak_vu16 h = __builtin_convertvector(r, ak_vu16);
+    const ak_vu16 h = __builtin_convertvector(ak_bf16_bits(f), ak_vu16);
     memcpy((uint16_t *)p->dst + i, &h, (size_t)count * sizeof(uint16_t));
 }
 

@@ -14,14 +14,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 enum { AT_F32 = 0, AT_BF16 = 1, AT_F16 = 2 };
 
-/* x rounded to bfloat16, nearest even (x finite or infinite, never NaN here) */
-static inline uint16_t bf16_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+/* x rounded to bfloat16 (vecmath.h), as its bits and as a float32 */
+static inline uint16_t bf16_bits(float x) { return (uint16_t)ak_bf16_bits(ak_splat(x))[0]; }
 
 static inline float bf16_value(uint16_t b) {
     const uint32_t u = (uint32_t)b << 16;
@@ -53,12 +51,14 @@ static void alibi_row_scalar(void *y, int dtype, int64_t c0, int64_t C, float ip
 
 #ifdef __AVX512F__
 #include <immintrin.h>
-/* x rounded to bfloat16, nearest even, kept as float32 (low bits zero) */
+/* x rounded to bfloat16, kept as float32 (low bits zero) */
 static inline __m512 bf16_round(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
-    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+    ak_vf f;
+    memcpy(&f, &x, sizeof f);
+    const ak_vu32 u = ak_bf16_bits(f) << 16;
+    __m512 r;
+    memcpy(&r, &u, sizeof r);
+    return r;
 }
 
 /* 16 keys a step; returns the first key left for the scalar tail */

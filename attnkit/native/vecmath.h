@@ -1,4 +1,4 @@
-/* attnkit native kernels: 16-lane float32 vector math shared by decode.c and softcap.c
+/* attnkit native kernels: 16-lane float32 vector math shared by decode.c, softcap.c and terms.c
  * (GCC/Clang vector extensions, so any target gets them; AVX-512 machines one register each).
  */
 #ifndef ATTNKIT_VECMATH_H
@@ -18,6 +18,7 @@
 
 typedef float ak_vf __attribute__((vector_size(64)));
 typedef int32_t ak_vi __attribute__((vector_size(64)));
+typedef uint32_t ak_vu32 __attribute__((vector_size(64)));
 
 AK_INLINE ak_vf ak_splat(float x) {
     return (ak_vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
@@ -26,6 +27,16 @@ AK_INLINE ak_vf ak_splat(float x) {
 /* lanes of a where mask m is set (all bits), else b */
 AK_INLINE ak_vf ak_select(ak_vi m, ak_vf a, ak_vf b) {
     return (ak_vf)(((ak_vi)a & m) | ((ak_vi)b & ~m));
+}
+
+/* the bfloat16 bit patterns of f (in each lane's low 16 bits), rounded to nearest even as
+ * torch's casts round; NaN stays a (quiet) NaN */
+AK_INLINE ak_vu32 ak_bf16_bits(ak_vf f) {
+    ak_vu32 u;
+    memcpy(&u, &f, sizeof u);
+    const ak_vu32 nan = (ak_vu32)((u & 0x7fffffffu) > 0x7f800000u);
+    const ak_vu32 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (r & ~nan) | (((u >> 16) | 0x40u) & nan);
 }
 
 /* exp(x) for x <= 0 (scores minus their running max), 16 lanes: 2^n * p(r) with
