@@ -500,7 +500,8 @@ typedef struct {
     float *acc, *sc, *m, *l, *slope, *q, *cmx;
     uint16_t *qh; /* q rows in bfloat16 */
 #ifdef AK_H16
-    _Float16 *q16, *p16; /* AK_H16: q rows scaled to [0.5, 1), a head's weights (AK_CHUNK a row) */
+    _Float16 *q16;       /* AK_H16: q rows scaled to [0.5, 1) */
+    uint32_t *p16;       /* AK_H16: a head's weights, each float16 twice (AK_CHUNK a row) */
     float *qf;           /* AK_H16: what scaled q row r down (a power of two) */
     uint8_t *nan;        /* AK_H16: a page segment's kv heads with a NaN byte (Hkv) */
     __m512i *mx;         /* AK_H16: e4m3_nan_heads' per-head maxima (Hkv) */
@@ -823,24 +824,55 @@ static void e4m3_nan_heads(const uint8_t *p, int64_t ts, int64_t hs, int64_t n, 
     for (int64_t h = 0; h < H; ++h) nan[h] = _mm512_cmpeq_epi8_mask(mx[h], m) != 0;
 }
 
-/* dst[t] = src[t] rounded to float16, t < n */
-AK_INLINE void to_h16(const float *src, int64_t n, _Float16 *dst) {
+/* dst[t] = src[t] rounded to float16, in both halves, t < n: a weight that P V broadcasts with
+ * a plain 32-bit load (a 16-bit broadcast from memory also takes a shuffle port) */
+AK_INLINE void to_h16x2(const float *src, int64_t n, uint32_t *dst) {
     for (int64_t t = 0; t < n; t += 16) {
         const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-        const __m256h h = _mm512_cvtxps_ph(_mm512_maskz_loadu_ps(m, src + t));
-        _mm256_mask_storeu_epi16(dst + t, m, _mm256_castph_si256(h));
+        const __m512i h = _mm512_cvtepu16_epi32(
+            _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_maskz_loadu_ps(m, src + t))));
+        _mm512_mask_storeu_epi32(dst + t, m, _mm512_or_si512(h, _mm512_slli_epi32(h, 16)));
     }
 }
 
+/* [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in 128-bit units (sel 0x44/0xEE: a's and b's 256-bit
+ * halves) or [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (sel 0x88/0xDD), in float16 */
+#define AK_FOLD_PH(A, B, S0, S1)                                                           \
+    _mm512_add_ph(_mm512_castsi512_ph(_mm512_shuffle_i64x2(_mm512_castph_si512(A),         \
+                                                           _mm512_castph_si512(B), S0)),   \
+                  _mm512_castsi512_ph(_mm512_shuffle_i64x2(_mm512_castph_si512(A),         \
+                                                           _mm512_castph_si512(B), S1)))
+
+/* one key's four row sums a[g] (32 float16 lanes of NB products each): the 256-bit halves
+ * added in float16 (2 * NB <= 8 products a lane, |sum| <= 14), converted, and folded twice in
+ * float32: row g's 4 partial sums in 128-bit unit g */
+AK_INLINE __m512 fold4_h16(const __m512h a[4]) {
+    const __m512h u = AK_FOLD_PH(a[0], a[1], 0x44, 0xEE), w = AK_FOLD_PH(a[2], a[3], 0x44, 0xEE);
+    const __m512 r0 = _mm512_cvtxph_ps(_mm512_castph512_ph256(u));
+    const __m512 r1 = _mm512_cvtxph_ps(
+        _mm256_castsi256_ph(_mm512_extracti64x4_epi64(_mm512_castph_si512(u), 1)));
+    const __m512 r2 = _mm512_cvtxph_ps(_mm512_castph512_ph256(w));
+    const __m512 r3 = _mm512_cvtxph_ps(
+        _mm256_castsi256_ph(_mm512_extracti64x4_epi64(_mm512_castph_si512(w), 1)));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x44),
+                                   _mm512_shuffle_f32x4(r0, r1, 0xEE));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, 0x44),
+                                   _mm512_shuffle_f32x4(r2, r3, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
 /* Scores of 4 query rows (q: float16, row-major D = NB * 32, in registers) against `len` e4m3
- * key rows k + t * ks (bytes), times f[g] for row g, into out[g * AK_CHUNK + t] */
+ * key rows k + t * ks (bytes), times f[g] for row g, into out[g * AK_CHUNK + t]. Four keys at
+ * a time: each key's sums folded to 4 partials a row (fold4_h16), then the four keys' partials
+ * transposed and added within the 128-bit units (row g's four scores in unit g), so no sum is
+ * reduced alone. */
 AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const _Float16 *q,
                                const float *f, int NB, float *out, const ak_ahead *pf) {
     const int64_t D = (int64_t)NB * 32;
     __m512h qv[4][4];
     for (int g = 0; g < 4; ++g)
         for (int j = 0; j < NB; ++j) qv[g][j] = _mm512_loadu_ph(q + g * D + j * 32);
-#define AK_DOT(ROW, OUT)                                                                   \
+#define AK_KEY(ROW, OUT)                                                                   \
     do {                                                                                   \
         const uint8_t *row_ = (const uint8_t *)(ROW);                                      \
         __m512h a_[4] = {_mm512_setzero_ph(), _mm512_setzero_ph(), _mm512_setzero_ph(),    \
@@ -849,23 +881,45 @@ AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const 
             const __m512h x_ = e4m3_h16(row_ + j_ * 32);                                   \
             for (int g_ = 0; g_ < 4; ++g_) a_[g_] = _mm512_fmadd_ph(qv[g_][j_], x_, a_[g_]); \
         }                                                                                  \
-        __m512 s_[4];                                                                      \
-        for (int g_ = 0; g_ < 4; ++g_)                                                     \
-            s_[g_] = _mm512_cvtxph_ps(_mm256_add_ph(                                       \
-                _mm512_castph512_ph256(a_[g_]),                                            \
-                _mm256_castsi256_ph(_mm512_extracti64x4_epi64(_mm512_castph_si512(a_[g_]), 1)))); \
-        (OUT) = sums4_dp(s_[0], s_[1], s_[2], s_[3]);                                      \
+        (OUT) = fold4_h16(a_);                                                             \
     } while (0)
-    const __m512 sv_ = _mm512_setr_ps(f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1], f[2],
-                                      f[2], f[2], f[2], f[3], f[3], f[3], f[3]);
-    AK_SCORE4_KEYS(AK_DOT)
-#undef AK_DOT
+    const __m512 sv = _mm512_setr_ps(f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1], f[2],
+                                     f[2], f[2], f[2], f[3], f[3], f[3], f[3]);
+    int64_t t = 0;
+    for (; t + 4 <= len; t += 4) {
+        __m512 z[4];
+        for (int i = 0; i < 4; ++i) {
+            ahead(pf, t + i);
+            AK_KEY(k + (t + i) * ks, z[i]);
+        }
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]),
+                                         _mm512_unpackhi_ps(z[0], z[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]),
+                                         _mm512_unpackhi_ps(z[2], z[3]));
+        const __m512 y = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44),
+                                                     _mm512_shuffle_ps(s01, s23, 0xEE)), sv);
+        _mm_storeu_ps(out + t, _mm512_castps512_ps128(y));
+        _mm_storeu_ps(out + AK_CHUNK + t, _mm512_extractf32x4_ps(y, 1));
+        _mm_storeu_ps(out + 2 * AK_CHUNK + t, _mm512_extractf32x4_ps(y, 2));
+        _mm_storeu_ps(out + 3 * AK_CHUNK + t, _mm512_extractf32x4_ps(y, 3));
+    }
+    for (; t < len; ++t) {
+        ahead(pf, t);
+        __m512 z;
+        AK_KEY(k + t * ks, z);
+        float l[16]; /* (the four keys' order of additions) */
+        _mm512_storeu_ps(l, z);
+        for (int g = 0; g < 4; ++g)
+            out[g * AK_CHUNK + t] =
+                ((l[4 * g] + l[4 * g + 2]) + (l[4 * g + 1] + l[4 * g + 3])) * f[g];
+    }
+#undef AK_KEY
 }
 
 /* acc_g += f * sum_t p[g * ps + t] * v_t for 4 rows g and the value dims [d0, d0 + NB * 32)
  * (NB a constant where inlined), over n e4m3 value rows v_t = v + t * vstride (bytes) and float16
- * weights p, in runs of at most AK_H16_RUN tokens summed in float16 */
-AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
+ * weights p (each twice in 32 bits), in runs of at most AK_H16_RUN tokens summed in float16 */
+AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
                             int64_t ps, int64_t Dv, int64_t d0, float f, int NB, float *acc,
                             const ak_ahead *pf) {
     const __m512 fv = _mm512_set1_ps(f);
@@ -880,7 +934,7 @@ AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const 
             __m512h x[4];
             for (int j = 0; j < NB; ++j) x[j] = e4m3_h16(r + j * 32);
             for (int g = 0; g < 4; ++g) {
-                const __m512h w = _mm512_set1_ph(p[g * ps + t]);
+                const __m512h w = _mm512_castsi512_ph(_mm512_set1_epi32((int)p[g * ps + t]));
                 for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ph(w, x[j], a[g][j]);
             }
         }
@@ -898,7 +952,7 @@ AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const 
 }
 
 /* pv_h16_block over all of Dv (Dv % 32 == 0), 128 dims at a time */
-AK_INLINE void pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const _Float16 *p,
+AK_INLINE void pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
                       int64_t ps, int64_t Dv, float f, float *acc, const ak_ahead *pf) {
     for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
         const int64_t nb = (Dv - d0) / 32;
@@ -1275,7 +1329,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     const uint8_t *v8 = (const uint8_t *)vh;
                     if (whole && !w->nan[h]) {
                         for (int64_t r = r0; r < r1; ++r)
-                            to_h16(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
+                            to_h16x2(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
                         for (int64_t r = r0; r < r1; r += 4)
                             pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
                                    AK_CHUNK, Dv, f, acc + r * Dv, r == r0 ? &next : NULL);
@@ -1371,7 +1425,8 @@ static void decode_worker(void *arg, int worker, int nworkers) {
     void *h16 = NULL;
     if (job->h16) { /* q rows, one head's weights (at most R rows), the rows' powers of two */
         h16 = aligned_alloc(64, ((sizeof(__m512i) + 1) * (size_t)job->Hkv
-                                 + sizeof(_Float16) * (size_t)(R * D + R * AK_CHUNK)
+                                 + sizeof(_Float16) * (size_t)(R * D)
+                                 + sizeof(uint32_t) * (size_t)(R * AK_CHUNK)
                                  + sizeof(float) * (size_t)R + 63) / 64 * 64);
         if (!h16) {
             free(f);
@@ -1380,7 +1435,7 @@ static void decode_worker(void *arg, int worker, int nworkers) {
         }
         w.mx = (__m512i *)h16;
         w.q16 = (_Float16 *)(w.mx + job->Hkv);
-        w.p16 = w.q16 + R * D;
+        w.p16 = (uint32_t *)(w.q16 + R * D);
         w.qf = (float *)(w.p16 + R * AK_CHUNK);
         w.nan = (uint8_t *)(w.qf + R);
     }
