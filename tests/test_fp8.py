@@ -772,7 +772,7 @@ def _e4m3_case(hq, hkv, d, dv, page, lens, seed):
 @pytest.mark.parametrize("hq,hkv,d,dv,page,lq,window,lens", [
     (32, 8, 128, 128, 16, 1, None, [203, 70, 3]),  # the decode case: 4 rows a kv head
     (8, 2, 96, 160, 7, 2, 9, [203, 70, 4]),  # 8 rows a head, D in 3 blocks, Dv 128 + 32, window
-    (8, 2, 64, 64, 256, 1, None, [600, 129, 2]),  # 64-token page segments: two float16 runs
+    (8, 2, 64, 64, 256, 1, None, [600, 129, 2]),  # 256-token pages in 64-token segments
 ])
 def test_e4m3_pages_in_float16_arithmetic_are_within_flash_rule(hq, hkv, d, dv, page, lq,
                                                                 window, lens, monkeypatch):
@@ -867,6 +867,37 @@ def test_e4m3_nan_pages_and_calls_the_float16_path_does_not_take_are_exact(monke
     fast[0], exact[0] = fast[0][1], exact[0][1]  # (the infinite element's sequence)
     for f, e in zip(fast, exact):
         assert torch.equal(f.nan_to_num(), e.nan_to_num()) and torch.equal(f.isnan(), e.isnan())
+
+
+@pytest.mark.parametrize("dv,token,tensor", [
+    (64, 12, "k"),  # a key byte in a 13-token segment's last token (the 4-key groups' remainder)
+    (160, 3, "v"),  # a value byte in dim 150: the second 128-dim block of P V
+])
+def test_e4m3_nan_byte_is_found_by_the_loops_that_convert_it(dv, token, tensor):
+    """The float16 loops look at the bytes they convert: a NaN byte anywhere in a (page
+    segment, kv head) sends that head to the exact paths (with 8 query rows a head, so two
+    groups of 4), and every other head's output keeps the float16 path's bits."""
+    native = _h16_native()
+    g, lens, k8, v8, kd, vd, bt = _e4m3_case(16, 2, 64, dv, 16, [45, 30], 5)
+    q = torch.randn(2, 16, 1, 64, generator=g).bfloat16()
+    kw = dict(scale=0.125, k_descale=kd, v_descale=vd)
+    clean, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    k_nan, v_nan = k8.clone(), v8.clone()
+    if tensor == "k":  # sequence 0, tokens 32-44 (page column 2), kv head 1: rows 8-15
+        k_nan.view(torch.uint8)[bt[0, 2], token, 1, 5] = 0xFF
+        rows, seq, dims = slice(8, 16), 0, slice(None)
+    else:  # sequence 1, kv head 0: rows 0-7, dim 150 only
+        v_nan.view(torch.uint8)[bt[1, 1], token, 0, 150] = 0x7F
+        rows, seq, dims = slice(0, 8), 1, slice(150, 151)
+    out, _ = native.paged_decode(q, k_nan, v_nan, bt, lens, **kw)
+    want = torch.zeros_like(out, dtype=torch.bool)
+    want[seq, rows, :, dims] = True
+    assert torch.equal(out.isnan(), want)
+    head = torch.zeros_like(want)
+    head[seq, rows] = True  # (a value NaN: the head's other dims, this segment, exactly)
+    assert torch.equal(out[~head], clean[~head])
+    ok = ~want & head
+    assert torch.allclose(out[ok], clean[ok], rtol=2e-2, atol=2e-2)
 
 
 # ---- the benchmark's fp8 cases -------------------------------------------------------------

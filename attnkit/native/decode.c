@@ -503,8 +503,6 @@ typedef struct {
     _Float16 *q16;       /* AK_H16: q rows scaled to [0.5, 1) */
     uint32_t *p16;       /* AK_H16: a head's weights, each float16 twice (AK_CHUNK a row) */
     float *qf;           /* AK_H16: what scaled q row r down (a power of two) */
-    uint8_t *nan;        /* AK_H16: a page segment's kv heads with a NaN byte (Hkv) */
-    __m512i *mx;         /* AK_H16: e4m3_nan_heads' per-head maxima (Hkv) */
 #endif
     int64_t *lo, *hi, *ipos;
 } ak_scratch;
@@ -783,8 +781,10 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
  * rate, where the bfloat16 dot products run at the float32 rate). An e4m3 byte b is exactly
  * the float16 pattern (b & 0x7f) << 7 | (b & 0x80) << 8 times 2^8 (denormals included: the
  * exponent fields line up), here sign-extend, shift, clear bit 14: 3 instructions for 32
- * elements. Only the NaN bytes (0x7f, 0xff) come out finite (1.875 * 2^-8), so each
- * (page, kv head) is looked at for them first and one that has any takes the exact paths.
+ * elements. Only the NaN bytes (0x7f, 0xff) come out finite (1.875 * 2^-8), so the loops
+ * that convert a page segment's rows of one kv head also look at their bytes (e4m3_look, 2
+ * instructions for 64 bytes in L1), and a head whose rows hold one is computed again by the
+ * exact paths (its scores overwritten; its P V looked at before anything is added).
  *
  * The scores: the query rows are scaled by a power of two to a largest element in [0.5, 1)
  * and rounded to float16, four products a lane summed in float16 (|sum| <= 7: e4m3 values
@@ -794,6 +794,7 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
  * float32 sums. The errors (about 2^-11 of the terms) are far below the inputs' own (2^-4)
  * and within FlashAttention's rule against the same computation in bfloat16 (tests). */
 #define AK_H16_RUN 64
+_Static_assert(AK_CHUNK <= AK_H16_RUN, "a page segment's P V is one float16 run");
 
 /* 32 e4m3 bytes at p as float16 (their values times 2^-8) */
 AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
@@ -801,27 +802,22 @@ AK_INLINE __m512h e4m3_h16(const uint8_t *p) {
     return (__m512h)_mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xBFFF));
 }
 
-/* nan[h] = 1 when a row of kv head h holds a NaN byte, else 0, over n tokens of rows of
- * `bytes` e4m3 bytes (bytes % 32 == 0) at p + t * ts + h * hs, h < H: token by token, so that
- * this first look at a page segment reads it front to back (the later loops go head by head
- * and find it in cache) */
-static void e4m3_nan_heads(const uint8_t *p, int64_t ts, int64_t hs, int64_t n, int64_t H,
-                           int64_t bytes, __m512i *mx, uint8_t *nan) {
+/* mx = the bytewise maximum of mx and the `bytes` e4m3 bytes at p with their sign bits off
+ * (bytes % 32 == 0): a row's NaN look, taken in the loops that convert the row (it is in L1
+ * then); a NaN byte was seen where a byte of mx is 0x7f (e4m3_nan) */
+AK_INLINE __m512i e4m3_look(__m512i mx, const uint8_t *p, int64_t bytes) {
     const __m512i m = _mm512_set1_epi8(0x7f);
-    for (int64_t h = 0; h < H; ++h) mx[h] = _mm512_setzero_si512();
-    for (int64_t t = 0; t < n; ++t)
-        for (int64_t h = 0; h < H; ++h) { /* mx[h]: the largest byte of head h, sign off */
-            const uint8_t *r = p + t * ts + h * hs;
-            __m512i x = mx[h];
-            int64_t o = 0;
-            for (; o + 64 <= bytes; o += 64)
-                x = _mm512_max_epu8(x, _mm512_and_si512(_mm512_loadu_si512((const void *)(r + o)), m));
-            if (o < bytes)
-                x = _mm512_max_epu8(x, _mm512_and_si512(
-                    _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(r + o))), m));
-            mx[h] = x;
-        }
-    for (int64_t h = 0; h < H; ++h) nan[h] = _mm512_cmpeq_epi8_mask(mx[h], m) != 0;
+    int64_t o = 0;
+    for (; o + 64 <= bytes; o += 64)
+        mx = _mm512_max_epu8(mx, _mm512_and_si512(_mm512_loadu_si512((const void *)(p + o)), m));
+    if (o < bytes)
+        mx = _mm512_max_epu8(mx, _mm512_and_si512(
+            _mm512_zextsi256_si512(_mm256_loadu_si256((const void *)(p + o))), m));
+    return mx;
+}
+
+AK_INLINE int e4m3_nan(__m512i mx) {
+    return _mm512_cmpeq_epi8_mask(mx, _mm512_set1_epi8(0x7f)) != 0;
 }
 
 /* dst[t] = src[t] rounded to float16, in both halves, t < n: a weight that P V broadcasts with
@@ -865,9 +861,11 @@ AK_INLINE __m512 fold4_h16(const __m512h a[4]) {
  * key rows k + t * ks (bytes), times f[g] for row g, into out[g * AK_CHUNK + t]. Four keys at
  * a time: each key's sums folded to 4 partials a row (fold4_h16), then the four keys' partials
  * transposed and added within the 128-bit units (row g's four scores in unit g), so no sum is
- * reduced alone. */
-AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const _Float16 *q,
-                               const float *f, int NB, float *out, const ak_ahead *pf) {
+ * reduced alone. With `look` (a constant where inlined), returns 1 when a key row holds a NaN
+ * byte (the scores are then wrong: the caller computes them exactly), else 0. */
+AK_INLINE int score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const _Float16 *q,
+                              const float *f, int NB, float *out, const ak_ahead *pf,
+                              int look) {
     const int64_t D = (int64_t)NB * 32;
     __m512h qv[4][4];
     for (int g = 0; g < 4; ++g)
@@ -881,10 +879,12 @@ AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const 
             const __m512h x_ = e4m3_h16(row_ + j_ * 32);                                   \
             for (int g_ = 0; g_ < 4; ++g_) a_[g_] = _mm512_fmadd_ph(qv[g_][j_], x_, a_[g_]); \
         }                                                                                  \
+        if (look) mx = e4m3_look(mx, row_, D);                                             \
         (OUT) = fold4_h16(a_);                                                             \
     } while (0)
     const __m512 sv = _mm512_setr_ps(f[0], f[0], f[0], f[0], f[1], f[1], f[1], f[1], f[2],
                                      f[2], f[2], f[2], f[3], f[3], f[3], f[3]);
+    __m512i mx = _mm512_setzero_si512();
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
         __m512 z[4];
@@ -914,53 +914,65 @@ AK_INLINE void score4_keys_h16(const uint8_t *k, int64_t ks, int64_t len, const 
                 ((l[4 * g] + l[4 * g + 2]) + (l[4 * g + 1] + l[4 * g + 3])) * f[g];
     }
 #undef AK_KEY
+    return look && e4m3_nan(mx);
 }
 
 /* acc_g += f * sum_t p[g * ps + t] * v_t for 4 rows g and the value dims [d0, d0 + NB * 32)
- * (NB a constant where inlined), over n e4m3 value rows v_t = v + t * vstride (bytes) and float16
- * weights p (each twice in 32 bits), in runs of at most AK_H16_RUN tokens summed in float16 */
-AK_INLINE void pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
-                            int64_t ps, int64_t Dv, int64_t d0, float f, int NB, float *acc,
-                            const ak_ahead *pf) {
-    const __m512 fv = _mm512_set1_ps(f);
-    for (int64_t t0 = 0; t0 < n; t0 += AK_H16_RUN) {
-        const int64_t t1 = t0 + AK_H16_RUN < n ? t0 + AK_H16_RUN : n;
-        __m512h a[4][4];
-        for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < NB; ++j) a[g][j] = _mm512_setzero_ph();
-        for (int64_t t = t0; t < t1; ++t) {
-            if (d0 == 0) ahead(pf, t);
-            const uint8_t *r = v + t * vstride + d0;
-            __m512h x[4];
-            for (int j = 0; j < NB; ++j) x[j] = e4m3_h16(r + j * 32);
-            for (int g = 0; g < 4; ++g) {
-                const __m512h w = _mm512_castsi512_ph(_mm512_set1_epi32((int)p[g * ps + t]));
-                for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ph(w, x[j], a[g][j]);
-            }
+ * (NB a constant where inlined), over n <= AK_H16_RUN e4m3 value rows v_t = v + t * vstride
+ * (bytes) and float16 weights p (each twice in 32 bits), summed in float16. With `look`, the
+ * rows' NaN look over all Dv bytes: a NaN byte returns 1 before anything is added to acc. */
+AK_INLINE int pv_h16_block(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
+                           int64_t ps, int64_t Dv, int64_t d0, float f, int NB, float *acc,
+                           const ak_ahead *pf, int look) {
+    __m512h a[4][4];
+    __m512i mx = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) a[g][j] = _mm512_setzero_ph();
+    for (int64_t t = 0; t < n; ++t) {
+        if (d0 == 0) ahead(pf, t);
+        const uint8_t *r = v + t * vstride + d0;
+        __m512h x[4];
+        for (int j = 0; j < NB; ++j) x[j] = e4m3_h16(r + j * 32);
+        if (look) mx = e4m3_look(mx, r - d0, Dv);
+        for (int g = 0; g < 4; ++g) {
+            const __m512h w = _mm512_castsi512_ph(_mm512_set1_epi32((int)p[g * ps + t]));
+            for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ph(w, x[j], a[g][j]);
         }
-        for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < NB; ++j) {
-                float *o = acc + g * Dv + d0 + j * 32;
-                const __m512i h = _mm512_castph_si512(a[g][j]);
-                const __m512 lo = _mm512_cvtxph_ps(_mm512_castph512_ph256(a[g][j]));
-                const __m512 hi = _mm512_cvtxph_ps(
-                    _mm256_castsi256_ph(_mm512_extracti64x4_epi64(h, 1)));
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(fv, lo, _mm512_loadu_ps(o)));
-                _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(fv, hi, _mm512_loadu_ps(o + 16)));
-            }
     }
+    if (look && e4m3_nan(mx)) return 1;
+    const __m512 fv = _mm512_set1_ps(f);
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < NB; ++j) {
+            float *o = acc + g * Dv + d0 + j * 32;
+            const __m512i h = _mm512_castph_si512(a[g][j]);
+            const __m512 lo = _mm512_cvtxph_ps(_mm512_castph512_ph256(a[g][j]));
+            const __m512 hi = _mm512_cvtxph_ps(
+                _mm256_castsi256_ph(_mm512_extracti64x4_epi64(h, 1)));
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(fv, lo, _mm512_loadu_ps(o)));
+            _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(fv, hi, _mm512_loadu_ps(o + 16)));
+        }
+    return 0;
 }
 
-/* pv_h16_block over all of Dv (Dv % 32 == 0), 128 dims at a time */
-AK_INLINE void pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
-                      int64_t ps, int64_t Dv, float f, float *acc, const ak_ahead *pf) {
+/* pv_h16_block over all of Dv (Dv % 32 == 0), 128 dims at a time, n <= AK_H16_RUN; with
+ * `look`, 1 (and acc untouched) where a value row holds a NaN byte */
+AK_INLINE int pv_h16(const uint8_t *v, int64_t vstride, int64_t n, const uint32_t *p,
+                     int64_t ps, int64_t Dv, float f, float *acc, const ak_ahead *pf, int look) {
+#define AK_PV(NB, LOOK) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, NB, acc, pf, LOOK)
+#define AK_PV_NB(LOOK)                                             \
+    (nb >= 4 ? AK_PV(4, LOOK) : nb == 3 ? AK_PV(3, LOOK) : nb == 2 ? AK_PV(2, LOOK) \
+             : AK_PV(1, LOOK))
     for (int64_t d0 = 0; d0 < Dv; d0 += 128) {
         const int64_t nb = (Dv - d0) / 32;
-        if (nb >= 4) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 4, acc, pf);
-        else if (nb == 3) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 3, acc, pf);
-        else if (nb == 2) pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 2, acc, pf);
-        else pv_h16_block(v, vstride, n, p, ps, Dv, d0, f, 1, acc, pf);
+        if (look && d0 == 0) { /* the look first, over every dim: then nothing was added */
+            if (AK_PV_NB(1)) return 1;
+        } else {
+            (void)AK_PV_NB(0);
+        }
     }
+#undef AK_PV_NB
+#undef AK_PV
+    return 0;
 }
 #endif
 
@@ -969,7 +981,6 @@ typedef struct {
 #ifdef AK_H16
     const _Float16 *q;
     const float *f;
-    const uint8_t *nan; /* nan[h]: the page segment's K rows of kv head h hold a NaN */
 #else
     int none;
 #endif
@@ -1013,21 +1024,21 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
             const uint8_t *kh0 = (const uint8_t *)k + h * kh;
             const ak_ahead head = {next->row, h * kh, next->bytes};
             const int64_t r0 = h * rows_per_head;
-            if (q16->nan[h]) { /* this head exactly, in float32 */
-                ahead_all(&head, len);
+            int nan = 0;
+            for (int64_t r = r0; r < r0 + rows_per_head && !nan; r += 4) {
+                /* the first group looks at the key rows (the others find them in cache) */
+#define AK_H(NB) nan = r == r0 ? score4_keys_h16(kh0, ks, len, q16->q + r * D, q16->f + r, NB, \
+                                                 sc + r * AK_CHUNK, &head, 1)                \
+                             : score4_keys_h16(kh0, ks, len, q16->q + r * D, q16->f + r, NB, \
+                                               sc + r * AK_CHUNK, NULL, 0)
+                AK_NB_CASES(AK_H)
+#undef AK_H
+            }
+            if (nan) /* a NaN key byte: this head again, exactly, in float32 */
                 for (int64_t tt = 0; tt < len; ++tt)
                     score_head((const char *)kh0 + tt * ks, dtype, qb + r0 * D, NULL,
                                job->scale, D, rows_per_head, sc + r0 * AK_CHUNK + tt,
                                AK_CHUNK);
-                continue;
-            }
-            for (int64_t r = r0; r < r0 + rows_per_head; r += 4) {
-                const ak_ahead *pf = r == r0 ? &head : NULL;
-#define AK_H(NB) score4_keys_h16(kh0, ks, len, q16->q + r * D, q16->f + r, NB, \
-                                 sc + r * AK_CHUNK, pf)
-                AK_NB_CASES(AK_H)
-#undef AK_H
-            }
         }
         return;
     }
@@ -1184,7 +1195,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             _mm256_storeu_ph(w->q16 + r * D + d,
                              _mm512_cvtxps_ph(_mm512_mul_ps(_mm512_loadu_ps(x + d), down)));
     }
-    const ak_q16 q16v = {w->q16, w->qf, w->nan}, *q16 = h16 ? &q16v : NULL;
+    const ak_q16 q16v = {w->q16, w->qf}, *q16 = h16 ? &q16v : NULL;
 #else
     const int h16 = 0;
     const ak_q16 *q16 = NULL;
@@ -1227,11 +1238,6 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
             const ak_ahead next = {nk + seg[g].t, 0, D * esz};
-#ifdef AK_H16
-            if (h16)
-                e4m3_nan_heads((const uint8_t *)kbase, job->ks_tok, job->ks_head, seg[g].len,
-                               Hkv, D, w->mx, w->nan);
-#endif
             score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
                          &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
@@ -1312,11 +1318,6 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 scale_rows(sc, job->vd + seg[g].page * Hkv, unit, Hkv, rows_per_head, st, se);
             const char *vbase = job->vp + (seg[g].page * job->vs_page
                                            + seg[g].first * job->vs_tok) * esz;
-#ifdef AK_H16
-            if (h16)
-                e4m3_nan_heads((const uint8_t *)vbase, job->vs_tok, job->vs_head, len, Hkv, Dv,
-                               w->mx, w->nan);
-#endif
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
                 const char *vh = vbase + h * job->vs_head * esz;
@@ -1327,13 +1328,17 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 if (h16) { /* float16 weights, the page's descale on their sums */
                     const float f = unit * job->vd[seg[g].page * Hkv + h];
                     const uint8_t *v8 = (const uint8_t *)vh;
-                    if (whole && !w->nan[h]) {
+                    if (whole) {
                         for (int64_t r = r0; r < r1; ++r)
                             to_h16x2(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
-                        for (int64_t r = r0; r < r1; r += 4)
+                        /* the first group looks at the value rows: a NaN byte there returns
+                         * before any row's sums have moved */
+                        int nan = pv_h16(v8, job->vs_tok, len, w->p16, AK_CHUNK, Dv, f,
+                                         acc + r0 * Dv, &next, 1);
+                        for (int64_t r = r0 + 4; r < r1 && !nan; r += 4)
                             pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
-                                   AK_CHUNK, Dv, f, acc + r * Dv, r == r0 ? &next : NULL);
-                        continue;
+                                   AK_CHUNK, Dv, f, acc + r * Dv, NULL, 0);
+                        if (!nan) continue;
                     }
                     /* (the exact paths take float32 weights with the descale on them) */
                     scale_rows(sc + r0 * AK_CHUNK, job->vd + seg[g].page * Hkv + h, unit, 1,
@@ -1424,8 +1429,7 @@ static void decode_worker(void *arg, int worker, int nworkers) {
 #ifdef AK_H16
     void *h16 = NULL;
     if (job->h16) { /* q rows, one head's weights (at most R rows), the rows' powers of two */
-        h16 = aligned_alloc(64, ((sizeof(__m512i) + 1) * (size_t)job->Hkv
-                                 + sizeof(_Float16) * (size_t)(R * D)
+        h16 = aligned_alloc(64, (sizeof(_Float16) * (size_t)(R * D)
                                  + sizeof(uint32_t) * (size_t)(R * AK_CHUNK)
                                  + sizeof(float) * (size_t)R + 63) / 64 * 64);
         if (!h16) {
@@ -1433,11 +1437,9 @@ static void decode_worker(void *arg, int worker, int nworkers) {
             free(ix);
             return;
         }
-        w.mx = (__m512i *)h16;
-        w.q16 = (_Float16 *)(w.mx + job->Hkv);
+        w.q16 = (_Float16 *)h16;
         w.p16 = (uint32_t *)(w.q16 + R * D);
         w.qf = (float *)(w.p16 + R * AK_CHUNK);
-        w.nan = (uint8_t *)(w.qf + R);
     }
 #endif
     for (;;) {
