@@ -55,18 +55,25 @@ def slice_tile(x: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
 
 
 def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dtype,
-               where: Optional[Tensor] = None) -> Tensor:
+               where: Optional[Tensor] = None,
+               cols: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """ALiBi ``-slope * |i' - j|`` for query rows [q0, q1) and key positions ``j``:
-    ``(N|1, Hq, rows, keys)``. With ``where`` (visibility), hidden pairs get ``-inf`` through
-    the head-independent distance (``inf * -slope``; every slope must be > 0). On the CPU
-    the native kernel writes the same tile in one pass (:func:`attnkit.native.alibi_tile`)."""
+    ``(N|1, Hq, rows, keys)``. With ``where`` (visibility) or ``cols`` (each row's visible
+    columns ``[a, e)`` of ``j``, shaped as the rows' positions), hidden pairs get ``-inf``
+    through the head-independent distance (``inf * -slope``; every slope must be > 0). On
+    the CPU the native kernel writes the same tile in one pass
+    (:func:`attnkit.native.alibi_tile`)."""
     ip, slopes = spec.aligned_rows(q0, q1), spec.alibi_rows(q0, q1)
     if spec.q.device.type == "cpu" and (where is None or where.shape[1] == 1):
         from . import native
 
-        tile = native.alibi_tile(ip, j, slopes, where, dtype)
+        tile = native.alibi_tile(ip, j, slopes, where, dtype, cols=cols)
         if tile is not None:
             return tile
+    if cols is not None:
+        c = torch.arange(j.shape[0], device=j.device)
+        seen = (c >= cols[0]) & (c < cols[1])
+        where = seen if where is None else where & seen
     dist = (ip - j.view(1, 1, 1, -1)).abs_().to(dtype)
     if where is not None:
         dist = torch.where(where, dist, torch.full((), float("inf"), dtype=dtype,

@@ -53,6 +53,33 @@ def test_alibi_tile_is_the_torch_ops_bit_for_bit(dtype, case):
         assert torch.equal(got == float("-inf"), hidden)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("band", [(None, 0), (7, 0), (20, -3), (None, None)])
+def test_alibi_tile_band_columns_are_the_visibility_tile(dtype, band):
+    """A band on contiguous keys given as each row's visible columns [a, e) (unclipped: the
+    kernel clips them to the keys; rows that see nothing) is the tile of the same band's bool
+    visibility, bit for bit; also with slopes so small that the products are subnormal
+    (bfloat16's conversion instruction flushes those: that tile rounds the other way)."""
+    left, right = band
+    rows, heads, keys = 7, 3, 53
+    ip = torch.tensor([-30, -5, 0, 10, 30, 52, 80]).view(1, 1, rows, 1) + 100
+    j = torch.arange(100, 100 + keys)
+    c = ip - 100  # the rows' positions in columns of j
+    a = c - left if left is not None else torch.full_like(c, -(1 << 40))
+    e = c + right + 1 if right is not None else torch.full_like(c, 1 << 40)
+    vis = (torch.arange(keys) >= a) & (torch.arange(keys) < e)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    small = [4e-38] if dtype == torch.bfloat16 else []  # (each slope still > 0 in bfloat16)
+    for scale in [1.0 / 8 if dtype == torch.float16 else 1.0] + small:
+        slopes = score_mods.alibi_slopes(heads).view(1, heads, 1, 1) * scale
+        want = _torch_tile(ip, j, slopes, vis, dtype)
+        got = native.alibi_tile(ip, j, slopes, None, dtype, cols=(a, e))
+        assert got is not None and torch.equal(got.view(bits), want.view(bits))
+        both = native.alibi_tile(ip, j, slopes, torch.rand(1, 1, rows, keys) > 0.5, dtype,
+                                 cols=(a, e))
+        assert torch.equal(both == float("-inf"), (both == float("-inf")) | ~vis)
+
+
 def test_alibi_tile_declines_what_it_does_not_take():
     """Slopes that need a gradient, float64 slopes with a 16-bit tile, positions at 2^24 and
     beyond, a per-head visibility: None (the caller runs the torch ops)."""

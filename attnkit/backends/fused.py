@@ -124,6 +124,10 @@ def _piece_mask_tile(spec: AttentionSpec, fplan: FusedPlan, piece: Piece, dtype:
     dev = spec.q.device
     j = (torch.arange(*piece.keys, device=dev) if piece.keys is not None
          else _key_index(plan, piece, dev))
+    if _alibi_only(spec) and piece.keys is not None and _piece_terms(plan, piece) == ["band"]:
+        # a band on contiguous keys: each row's visible columns, no bool tile
+        a, e = _band_columns(spec, piece)
+        return alibi_term(spec, piece.q0, piece.q1, j, dtype, cols=(a, e)), (e > a)[..., 0]
     vis = _piece_visibility(spec, plan, piece)
     if vis is not None and _alibi_only(spec) and vis.shape[1] == 1:
         # -inf through the head-independent distances: inf * -slope, no per-head fill
@@ -153,13 +157,32 @@ def _alibi_only(spec: AttentionSpec) -> bool:
             and bool((spec.alibi_slopes > 0).all()))
 
 
+def _piece_terms(plan: Plan, piece: Piece) -> Optional[List[str]]:
+    """The analytic terms some tile of a piece on contiguous keys needs, or None when the
+    piece's visibility needs more (mask_mod, BlockMask, gathered blocks)."""
+    if piece.keys is None or {"mask_mod", "block_mask"} & set(plan.term_full):
+        return None
+    return [t for t in ANALYTIC_TERMS if any(plan.needs(t, piece.qb, kb) for kb in piece.kbs)]
+
+
+def _band_columns(spec: AttentionSpec, piece: Piece) -> Tuple[Tensor, Tensor]:
+    """The band on a piece's contiguous keys as each row's visible columns ``[a, e)``
+    (int64, shaped as :meth:`AttentionSpec.aligned_rows`, ``0 <= a``, ``e <= keys``; a row
+    with ``e <= a`` sees none): key ``j`` is visible iff ``i' - left <= j <= i' + right``."""
+    k0, k1 = piece.keys
+    ip = spec.aligned_rows(piece.q0, piece.q1) - k0
+    a = (ip - spec.left).clamp_(min=0) if spec.left is not None else torch.zeros_like(ip)
+    e = ((ip + spec.right + 1).clamp_(max=k1 - k0) if spec.right is not None
+         else torch.full_like(ip, k1 - k0))
+    return a, e
+
+
 def _piece_visibility(spec: AttentionSpec, plan: Plan, piece: Piece) -> Optional[Tensor]:
     """Visibility over a piece's keys: the analytic terms at once on a contiguous range,
     otherwise (mask_mod, BlockMask, gathered blocks) block by block."""
     dev = spec.q.device
-    if piece.keys is not None and not ({"mask_mod", "block_mask"} & set(plan.term_full)):
-        terms = [t for t in ANALYTIC_TERMS
-                 if any(plan.needs(t, piece.qb, kb) for kb in piece.kbs)]
+    terms = _piece_terms(plan, piece)
+    if terms is not None:
         return range_visibility(spec, piece.q0, piece.q1, *piece.keys, terms)
     parts = [tile_visibility(spec, plan, piece.qb, kb) for kb in piece.kbs]
     if all(v is None for v in parts):

@@ -64,7 +64,7 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
             _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 10  # AK_ABI in decode.c
+_ABI = 11  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -254,7 +254,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_softcap_backward.argtypes = [p, p, p, i64, f32, i32]
         lib.attnkit_softcap_backward.restype = None
         lib.attnkit_alibi_tile.argtypes = [p, i32, i64, i64, i64, i64, p, i64, p, p, i64, i64,
-                                           p, i64, p]
+                                           p, i64, p, p, p]
         lib.attnkit_alibi_tile.restype = i32
         lib.attnkit_pool_stats.argtypes = [p]
         lib.attnkit_pool_stats.restype = None
@@ -627,15 +627,17 @@ def _plain_f32(*xs: Tensor) -> bool:
 
 
 def alibi_tile(ip: Tensor, j: Tensor, slopes: Tensor, vis: Optional[Tensor],
-               dtype: torch.dtype) -> Optional[Tensor]:
+               dtype: torch.dtype, cols: Optional[Tuple[Tensor, Tensor]] = None
+               ) -> Optional[Tensor]:
     """ALiBi's additive tile ``-slope * |i' - j|`` in ``dtype`` (``-inf`` where ``vis`` is
-    False), ``(N, H, rows, keys)``, in one pass and bit for bit what
+    False, and outside ``cols``), ``(N, H, rows, keys)``, in one pass and bit for bit what
     :func:`attnkit.score_terms.alibi_term` builds in torch ops (each value rounded as torch's
     casts and multiply round it): ``ip (N|1, 1, rows, 1)`` the aligned query positions,
     ``j (keys,)`` the key positions, ``slopes (N|1, H, rows|1, 1)`` (float32 or ``dtype``),
-    ``vis (N|1, 1, rows, keys)`` bool or None. None when the kernel is unavailable or the call
-    does not qualify (slopes that need a gradient, other shapes or devices): the caller uses
-    torch."""
+    ``vis (N|1, 1, rows, keys)`` bool or None, ``cols`` None or two int64 tensors shaped as
+    ``ip``: row ``r`` sees columns ``cols[0][r] <= c < cols[1][r]`` (a band on contiguous
+    keys, without a bool tile). None when the kernel is unavailable or the call does not
+    qualify (slopes that need a gradient, other shapes or devices): the caller uses torch."""
     lib = _lib()
     if lib is None or dtype not in _DTYPES or slopes.dtype not in (torch.float32, dtype):
         return None
@@ -656,15 +658,23 @@ def alibi_tile(ip: Tensor, j: Tensor, slopes: Tensor, vis: Optional[Tensor],
     if s_r not in (1, rows) or any(m not in (1, n) for m in (ip.shape[0], slopes.shape[0], v_n)):
         return None
     ipc = ip.reshape(ip.shape[0], rows).contiguous()
+    bounds = None
+    if cols is not None:
+        if any(c.shape != ip.shape or c.dtype != torch.int64 or c.device.type != "cpu"
+               for c in cols):
+            return None
+        bounds = [c.reshape(ip.shape[0], rows).contiguous() for c in cols]
     jc = j.to(torch.int64).contiguous()
     sc = slopes.detach().to(torch.float32).reshape(slopes.shape[0], heads, s_r).contiguous()
     vc = None if vis is None else vis.reshape(v_n, rows, keys).contiguous()
     out = torch.empty(n, heads, rows, keys, dtype=dtype)
-    jf = torch.empty(keys, dtype=torch.float32)  # (the kernel's scratch)
+    scratch = torch.empty(2 * keys, dtype=torch.float32)  # key positions, a row's distances
     rc = lib.attnkit_alibi_tile(out.data_ptr(), _DTYPES[dtype], n, heads, rows, keys,
                                 ipc.data_ptr(), ipc.shape[0], jc.data_ptr(), sc.data_ptr(),
                                 sc.shape[0], s_r, None if vc is None else vc.data_ptr(), v_n,
-                                jf.data_ptr())
+                                None if bounds is None else bounds[0].data_ptr(),
+                                None if bounds is None else bounds[1].data_ptr(),
+                                scratch.data_ptr())
     return out if rc == 0 else None
 
 
