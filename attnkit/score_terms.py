@@ -81,6 +81,74 @@ def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dt
     return dist * slopes.to(dtype).neg()
 
 
+#: ALiBi folded into the queries and keys (:func:`fold_alibi`) only while the largest
+#: ``slope * Lk`` stays at most this: the kernel's scores then carry ``slope * i'`` (up to
+#: this), whose float32 rounding (2^-11 here) is what the fold costs in the logits.
+FOLD_ALIBI_LIMIT = 4096.0
+
+
+def alibi_foldable(spec: AttentionSpec) -> bool:
+    """ALiBi that :func:`fold_alibi` can move into the queries and keys: bfloat16 q/k on
+    the CPU, per-head slopes without a gradient, every visible pair at or left of its
+    diagonal (a band with ``right <= 0``: then ``-slope * |i' - j| = slope * j - slope * i'``),
+    no other score term or sink, contiguous K (no pages), fewer than 2^24 keys, and the
+    largest ``slope * Lk`` at most :data:`FOLD_ALIBI_LIMIT`."""
+    sl = spec.alibi_slopes
+    if (sl is None or sl.dim() != 2 or sl.requires_grad or spec.q.dtype != torch.bfloat16
+            or spec.k.dtype != torch.bfloat16 or spec.q.device.type != "cpu"):
+        return False
+    if (spec.bias is not None or spec.score_mod is not None or spec.softcap is not None
+            or spec.sinks is not None or spec.paged is not None or spec.right is None
+            or spec.right > 0 or spec.lk >= 1 << 24 or spec.lk == 0):
+        return False
+    return float(sl.abs().max()) * spec.lk <= FOLD_ALIBI_LIMIT
+
+
+def _bf16_parts(x: Tensor, n: int) -> list:
+    """``x`` (float32) as ``n`` bfloat16 values whose sum is ``x`` to about 8 * n bits."""
+    parts, rest = [], x.float()
+    for _ in range(n):
+        p = rest.to(torch.bfloat16)
+        parts.append(p)
+        rest = rest - p.float()
+    return parts
+
+
+def fold_alibi(spec: AttentionSpec) -> AttentionSpec:
+    """A spec without ALiBi whose scores are the ALiBi scores plus ``slope * i'`` per row (a
+    constant of the row: the softmax is the same, the LSE is :func:`alibi_row_shift` more):
+    extra head dims with ``q`` holding ``slope / scale`` in three bfloat16 parts and ``k``
+    the key position ``j`` in two or three exact bfloat16 parts (8 bits each), one dim per
+    pair of parts, so their products (exact in float32) sum to ``slope * j / scale``; then
+    zeros to a multiple of 16 dims. Requires :func:`alibi_foldable`."""
+    import dataclasses
+
+    n, hq, lq, d = spec.q.shape
+    hk, lk = spec.k.shape[1], spec.k.shape[2]
+    j = torch.arange(lk, device=spec.k.device)
+    jp = ([(j >> 16) << 16, ((j >> 8) & 0xFF) << 8, j & 0xFF] if lk > 1 << 16
+          else [(j >> 8) << 8, j & 0xFF])
+    sp = _bf16_parts(spec.alibi_slopes.detach() / spec.scale, 3)  # (N|1, Hq) each
+    qx = torch.stack([a for a in sp for _ in jp], -1)  # (N|1, Hq, E)
+    kx = torch.stack([b.to(torch.bfloat16) for _ in sp for b in jp], -1)  # (Lk, E)
+    extra = qx.shape[-1]
+    pad = -(d + extra) % 16
+    z = spec.q.new_zeros(())
+    q2 = torch.cat([spec.q, qx[:, :, None].expand(n, hq, lq, extra),
+                    z.expand(n, hq, lq, pad)], -1)
+    k2 = torch.cat([spec.k, kx.expand(spec.k.shape[0], hk, lk, extra),
+                    z.expand(spec.k.shape[0], hk, lk, pad)], -1)
+    return dataclasses.replace(spec, q=q2, k=k2, alibi_slopes=None)
+
+
+def alibi_row_shift(spec: AttentionSpec) -> Tensor:
+    """``slope * i'`` per row, ``(N|1, Hq, Lq)`` in the compute dtype: what the scores of
+    :func:`fold_alibi` carry beyond the ALiBi scores (their LSE is this much more)."""
+    ip = spec.aligned_rows().reshape(-1, 1, spec.lq).to(torch.float64)
+    return (spec.alibi_slopes.detach().to(torch.float64).unsqueeze(-1) * ip).to(
+        spec.compute_dtype)
+
+
 def softcap_(s: Tensor, cap: float, inplace: bool) -> Tensor:
     """``cap * tanh(s)`` of a tile already divided by the cap: in place and in one native pass
     where it can, in differentiable torch ops when the caller differentiates this."""

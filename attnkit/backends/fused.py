@@ -28,7 +28,14 @@ from torch import Tensor
 from ..checks import compute_dtype_of
 from ..merge import merge_state
 from ..plan import ANALYTIC_TERMS, MASK_TERMS, Plan, range_visibility, tile_visibility
-from ..score_terms import ADDITIVE_TERMS, additive_tile, alibi_term, fold_sinks, safe_lse
+from ..score_terms import (
+    ADDITIVE_TERMS,
+    additive_tile,
+    alibi_row_shift,
+    alibi_term,
+    fold_sinks,
+    safe_lse,
+)
 from ..spec import AttentionSpec
 from . import tiled, workers
 from .base import Capabilities, ForwardResult, Grads
@@ -205,6 +212,10 @@ def forward(spec: AttentionSpec, fplan: FusedPlan) -> ForwardResult:
     """Run the schedule; merge pieces by LSE. Returns compute-dtype output, LSE, max scores."""
     cd = spec.compute_dtype
     n, hq, lq, dv = spec.n, spec.hq, spec.lq, spec.dv
+    if fplan.folded is not None:  # the scores carry slope * i' more: so does the LSE
+        r = forward(*fplan.folded)
+        lse = r.lse - alibi_row_shift(spec)
+        return ForwardResult(out=r.out, lse=lse, max_scores=_no_max(lse))
     if fplan.batches is not None:
         out = torch.zeros(n, hq, lq, dv, dtype=cd, device=spec.q.device)
         lse = torch.full((n, hq, lq), float("-inf"), dtype=cd, device=spec.q.device)
@@ -466,6 +477,12 @@ def backward(spec: AttentionSpec, fplan: FusedPlan, out: Tensor, lse: Tensor, do
     if needs_ds:
         return tiled.backward(spec, fplan.plan, out, lse, dout, dlse)
     cd = spec.compute_dtype
+    if fplan.folded is not None:
+        sub, inner = fplan.folded
+        g = backward(sub, inner, out, lse + alibi_row_shift(spec), dout, dlse)
+        d = spec.q.shape[-1]
+        return Grads(dq=g.dq[..., :d], dk=g.dk[..., :d], dv=g.dv, dbias=None, dsinks=None,
+                     dparams=())
     if fplan.batches is not None:
         return _batched_backward(spec, fplan, out, lse, dout, dlse)
     inp = _Inputs(spec, extra=0 if dlse is None else 1)

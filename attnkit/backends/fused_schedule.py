@@ -6,6 +6,8 @@
   (documents given per batch row: each row on its own, then one call per segment);
 - padded batches (seqlens, starts_kv): each batch row on its true keys and the queries that see
   some of them (:meth:`AttentionSpec.slice_batch`);
+- ALiBi with bfloat16 inputs where every visible pair lies at or left of its diagonal: folded
+  into extra q.k dims (:func:`attnkit.score_terms.fold_alibi`), then planned as without it;
 - otherwise, per query block, the key blocks with work: a short contiguous footprint (a band)
   is one masked call; long runs of *full* blocks go without a mask and the *partial* blocks get
   one call on the gathered keys with an additive mask built from the spec's mask terms;
@@ -21,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..plan import MASK_TERMS, Plan, make_plan
-from ..score_terms import ADDITIVE_TERMS
+from ..score_terms import ADDITIVE_TERMS, alibi_foldable, fold_alibi
 from ..spec import AttentionSpec
 
 #: Query (and key) block of the fused schedule.
@@ -91,6 +93,9 @@ class FusedPlan:
     batches: Optional[List[Tuple[int, Row, AttentionSpec, FusedPlan]]] = None
     #: the pieces as kernel calls: a Piece alone, or a Run of pieces batched into one call
     calls: Optional[List[Union[Piece, Run]]] = None
+    #: ALiBi folded into q and k (:func:`attnkit.score_terms.fold_alibi`): the spec without
+    #: it and that spec's plan, which run instead (the LSE shifted back)
+    folded: Optional[Tuple[AttentionSpec, FusedPlan]] = None
 
     def kernel_calls(self) -> List[Union[Piece, Run]]:
         return self.calls if self.calls is not None else list(self.pieces)
@@ -161,6 +166,10 @@ def _make_fused_plan(spec: AttentionSpec) -> FusedPlan:
                 sub = spec.slice_batch(b, r.q1, r.k1, q_start=r.q0, kv_start=r.k0)
                 rows.append((b, r, sub, make_fused_plan(sub)))
         return FusedPlan(plan=plan, pieces=[], whole=False, batches=rows)
+    if alibi_foldable(spec):  # ALiBi in two extra q.k dims: no mask tile at all
+        sub = fold_alibi(spec)
+        inner = make_fused_plan(sub)
+        return FusedPlan(plan=inner.plan, pieces=[], whole=False, folded=(sub, inner))
     bs = BLOCK
     if spec.block_mask is not None:
         bq, bk = spec.block_mask.BLOCK_SIZE
