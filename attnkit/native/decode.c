@@ -831,19 +831,19 @@ AK_INLINE void to_h16x2(const float *src, int64_t n, uint32_t *dst) {
     }
 }
 
-/* [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in 128-bit units (sel 0x44/0xEE: a's and b's 256-bit
- * halves) or [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (sel 0x88/0xDD), in float16 */
-#define AK_FOLD_PH(A, B, S0, S1)                                                           \
+/* a's and b's 256-bit halves added, in float16: [a0 + a2, a1 + a3, b0 + b2, b1 + b3] in
+ * 128-bit units */
+#define AK_HALVES_PH(A, B)                                                                 \
     _mm512_add_ph(_mm512_castsi512_ph(_mm512_shuffle_i64x2(_mm512_castph_si512(A),         \
-                                                           _mm512_castph_si512(B), S0)),   \
+                                                           _mm512_castph_si512(B), 0x44)), \
                   _mm512_castsi512_ph(_mm512_shuffle_i64x2(_mm512_castph_si512(A),         \
-                                                           _mm512_castph_si512(B), S1)))
+                                                           _mm512_castph_si512(B), 0xEE)))
 
 /* one key's four row sums a[g] (32 float16 lanes of NB products each): the 256-bit halves
  * added in float16 (2 * NB <= 8 products a lane, |sum| <= 14), converted, and folded twice in
  * float32: row g's 4 partial sums in 128-bit unit g */
 AK_INLINE __m512 fold4_h16(const __m512h a[4]) {
-    const __m512h u = AK_FOLD_PH(a[0], a[1], 0x44, 0xEE), w = AK_FOLD_PH(a[2], a[3], 0x44, 0xEE);
+    const __m512h u = AK_HALVES_PH(a[0], a[1]), w = AK_HALVES_PH(a[2], a[3]);
     const __m512 r0 = _mm512_cvtxph_ps(_mm512_castph512_ph256(u));
     const __m512 r1 = _mm512_cvtxph_ps(
         _mm256_castsi256_ph(_mm512_extracti64x4_epi64(_mm512_castph_si512(u), 1)));
