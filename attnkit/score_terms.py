@@ -14,6 +14,7 @@ refused by the others.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -91,8 +92,9 @@ def alibi_foldable(spec: AttentionSpec) -> bool:
     """ALiBi that :func:`fold_alibi` can move into the queries and keys: bfloat16 q/k on
     the CPU, per-head slopes without a gradient, every visible pair at or left of its
     diagonal (a band with ``right <= 0``: then ``-slope * |i' - j| = slope * j - slope * i'``),
-    no other score term or sink, contiguous K (no pages), fewer than 2^24 keys, and the
-    largest ``slope * Lk`` at most :data:`FOLD_ALIBI_LIMIT`."""
+    no other score term or sink, contiguous K (no pages), fewer than 2^24 keys, a positive
+    scale with ``slope / scale * Lk`` finite, and the largest ``slope * Lk`` at most
+    :data:`FOLD_ALIBI_LIMIT`."""
     sl = spec.alibi_slopes
     if (sl is None or sl.dim() != 2 or sl.requires_grad or spec.q.dtype != torch.bfloat16
             or spec.k.dtype != torch.bfloat16 or spec.q.device.type != "cpu"):
@@ -101,6 +103,9 @@ def alibi_foldable(spec: AttentionSpec) -> bool:
             or spec.sinks is not None or spec.paged is not None or spec.right is None
             or spec.right > 0 or spec.lk >= 1 << 24 or spec.lk == 0):
         return False
+    if not spec.scale > 0 or not math.isfinite(float(sl.abs().max()) / spec.scale * spec.lk):
+        return False  # (a zero scale makes slope / scale infinite; with a negative one the
+        # folded call came back NaN from the fused kernel: not investigated, not folded)
     return float(sl.abs().max()) * spec.lk <= FOLD_ALIBI_LIMIT
 
 

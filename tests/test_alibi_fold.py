@@ -93,3 +93,19 @@ def test_calls_that_do_not_fold():
                             bias=torch.zeros(1, 2, 64, 64))):
         assert not alibi_foldable(spec)
         assert fused_schedule.make_fused_plan(spec).folded is None
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, 1e-30])
+def test_scales_the_fold_cannot_hold_keep_the_tiles(scale):
+    """A zero or negative scale does not fold (slope / scale would be infinite, or the
+    kernel's scores of the other sign); a tiny positive one folds: each result stays the
+    oracle's within bfloat16's error, never NaN."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g).bfloat16() for _ in range(3))
+    sl = torch.tensor([0.5, 0.25])
+    spec = build_spec(q, k, v, causal=True, alibi_slopes=sl, scale=scale)
+    assert alibi_foldable(spec) == (scale > 0)
+    out = attnkit.attention(q, k, v, causal=True, alibi_slopes=sl, scale=scale, backend="fused")
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True, alibi_slopes=sl,
+                              scale=scale)
+    assert (out.double() - ref).abs().max().item() < 3e-2
