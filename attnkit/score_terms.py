@@ -83,8 +83,9 @@ def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dt
 
 
 #: ALiBi folded into the queries and keys (:func:`fold_alibi`) only while the largest
-#: ``slope * Lk`` stays at most this: the kernel's scores then carry ``slope * i'`` (up to
-#: this), whose float32 rounding (2^-11 here) is what the fold costs in the logits.
+#: ``slope * Lk`` (or ``slope * |i'|``) stays at most this: the kernel's scores then carry
+#: ``slope * i'`` (up to this), whose float32 rounding (2^-11 here) is what the fold costs in
+#: the logits.
 FOLD_ALIBI_LIMIT = 4096.0
 
 
@@ -93,8 +94,8 @@ def alibi_foldable(spec: AttentionSpec) -> bool:
     the CPU, per-head slopes without a gradient, every visible pair at or left of its
     diagonal (a band with ``right <= 0``: then ``-slope * |i' - j| = slope * j - slope * i'``),
     no other score term or sink, contiguous K (no pages), fewer than 2^24 keys, a positive
-    scale with ``slope / scale * Lk`` finite, and the largest ``slope * Lk`` at most
-    :data:`FOLD_ALIBI_LIMIT`."""
+    scale with ``slope / scale * Lk`` finite, and the largest ``slope * Lk`` (``Lk`` or the
+    largest ``|i'|``, whichever is more) at most :data:`FOLD_ALIBI_LIMIT`."""
     sl = spec.alibi_slopes
     if (sl is None or sl.dim() != 2 or sl.requires_grad or spec.q.dtype != torch.bfloat16
             or spec.k.dtype != torch.bfloat16 or spec.q.device.type != "cpu"):
@@ -103,10 +104,12 @@ def alibi_foldable(spec: AttentionSpec) -> bool:
             or spec.sinks is not None or spec.paged is not None or spec.right is None
             or spec.right > 0 or spec.lk >= 1 << 24 or spec.lk == 0):
         return False
-    if not spec.scale > 0 or not math.isfinite(float(sl.abs().max()) / spec.scale * spec.lk):
+    # the farthest position in the scores: a key, or a row's i' (queries past the keys)
+    far = max(spec.lk, int(spec.aligned_rows().abs().max()) + 1 if spec.lq else 0)
+    if not spec.scale > 0 or not math.isfinite(float(sl.abs().max()) / spec.scale * far):
         return False  # (a zero scale makes slope / scale infinite; with a negative one the
         # folded call came back NaN from the fused kernel: not investigated, not folded)
-    return float(sl.abs().max()) * spec.lk <= FOLD_ALIBI_LIMIT
+    return float(sl.abs().max()) * far <= FOLD_ALIBI_LIMIT
 
 
 def _bf16_parts(x: Tensor, n: int) -> list:

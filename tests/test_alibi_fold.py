@@ -78,16 +78,20 @@ def test_fold_adds_dims_whose_products_sum_to_slope_times_position():
 
 def test_calls_that_do_not_fold():
     """float32, a window reaching right of the diagonal, slopes that need a gradient, slopes
-    times keys past the limit, sinks, a bias: the fold is not taken."""
+    times keys (or times the rows' positions, queries past the keys) past the limit, sinks, a
+    bias: the fold is not taken."""
     q, k, v = (torch.randn(1, 2, 64, 16).bfloat16() for _ in range(3))
     sl = score_mods.alibi_slopes(2)
     assert alibi_foldable(build_spec(q, k, v, causal=True, alibi_slopes=sl))
     big = torch.full((2,), 2 * FOLD_ALIBI_LIMIT / 64)
+    late = torch.full((2,), FOLD_ALIBI_LIMIT / 64)  # slope * Lk at the limit, * i' past it
+    q_long = torch.randn(1, 2, 256, 16).bfloat16()
     for spec in (build_spec(q.float(), k.float(), v.float(), causal=True, alibi_slopes=sl),
                  build_spec(q, k, v, window=(8, 4), alibi_slopes=sl),
                  build_spec(q, k, v, alibi_slopes=sl),
                  build_spec(q, k, v, causal=True, alibi_slopes=sl.clone().requires_grad_()),
                  build_spec(q, k, v, causal=True, alibi_slopes=big),
+                 build_spec(q_long, k, v, causal=True, alibi_slopes=late),
                  build_spec(q, k, v, causal=True, alibi_slopes=sl, sinks=torch.zeros(2)),
                  build_spec(q, k, v, causal=True, alibi_slopes=sl,
                             bias=torch.zeros(1, 2, 64, 64))):
