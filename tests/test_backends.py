@@ -1,5 +1,6 @@
 """Executor selection: the fused CPU kernel really runs where it can, the tiled executor runs
-where it must, and the fallback (fused kernel missing) gives the same answer."""
+where it must, and the fallback (fused kernel missing) gives the same answer. (attnkit's own
+flash kernel comes before the fused one where it runs: tests/test_flash.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_fused_kernel_runs_forward_and_backward(kw, monkeypatch):
     bwd = spy(monkeypatch, fused, "BWD_OP")
     tiled_fwd = spy(monkeypatch, tiled, "forward")
     q = rand(1, 4, 64, 16, dtype=torch.float32, requires_grad=True)
-    out = attnkit.attention(q, q, q, **kw)
+    out = attnkit.attention(q, q, q, backend="fused", **kw)
     out.sum().backward()
     assert fwd and bwd and not tiled_fwd
 
@@ -45,6 +46,8 @@ def test_fallback_without_the_kernel_gives_the_same_answer(kw, monkeypatch):
     q = rand(2, 4, 37, 16, dtype=torch.float32, gen=g, requires_grad=True)
     k = rand(2, 2, 53, 16, dtype=torch.float32, gen=g, requires_grad=True)
     v = rand(2, 2, 53, 16, dtype=torch.float32, gen=g, requires_grad=True)
+    # (without attnkit's own flash kernel, which would otherwise run these first)
+    monkeypatch.setattr(backends, "PRIORITY", [n for n in backends.PRIORITY if n != "flash"])
     out = attnkit.attention(q, k, v, **kw)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     monkeypatch.setattr(fused, "FWD_OP", None)

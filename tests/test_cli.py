@@ -89,7 +89,8 @@ def test_check_warns_when_native_kernels_are_unavailable(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["check", "--backend", "nope"], ["--backend", "'nope'", "auto, triton, decode, fused, tiled"]),
+    (["check", "--backend", "nope"],
+     ["--backend", "'nope'", "auto, triton, decode, flash, fused, tiled"]),
     (["check", "--backend", "auto,tiledd"], ["--backend", "'tiledd'"]),
     (["check", "--dtype", "foo"], ["--dtype", "'foo'", "float32"]),
     (["check", "--dtype", ","], ["--dtype", "no names"]),

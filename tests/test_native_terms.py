@@ -118,11 +118,11 @@ def test_alibi_attention_is_unchanged_by_the_native_tile(dtype, monkeypatch):
         tiles.clear()
         with monkeypatch.context() as m:
             m.setattr(native, "alibi_tile", counted)
-            fast = attnkit.attention(q, k, v, alibi_slopes=sl, **kw)
+            fast = attnkit.attention(q, k, v, alibi_slopes=sl, backend="fused", **kw)
         assert tiles and all(tiles)  # (the native tile built every one)
         with monkeypatch.context() as m:
             m.setattr(native, "alibi_tile", lambda *a, **k: None)
-            slow = attnkit.attention(q, k, v, alibi_slopes=sl, **kw)
+            slow = attnkit.attention(q, k, v, alibi_slopes=sl, backend="fused", **kw)
         assert torch.equal(fast, slow)
         ref = attention_reference(q.double(), k.double(), v.double(), alibi_slopes=sl, **kw)
         tol = 2e-5 if dtype == torch.float32 else 2e-2

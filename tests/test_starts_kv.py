@@ -200,9 +200,10 @@ def test_zero_starts_are_no_term_and_the_feature_is_declared_by_the_executors():
     spec = build_spec(q[:, :, :1], k, v, starts_kv=[0, 3, 0], causal=True,
                       diagonal="bottom_right")
     assert "starts_kv" in spec.features()
-    for name in ("decode", "fused", "tiled"):
+    for name in ("decode", "flash", "fused", "tiled"):
         assert "starts_kv" in backends.REGISTRY[name].CAPS.features
-        assert not backends.reasons(backends.REGISTRY[name], spec), name
+        if name != "flash":  # (flash runs float32 and lower; these inputs are float64)
+            assert not backends.reasons(backends.REGISTRY[name], spec), name
 
     class Bare:  # an executor that does not declare the feature refuses it by itself
         CAPS = backends.base.Capabilities(

@@ -239,7 +239,7 @@ def check(q, k, v, *, grad=True, atol=2e-5, **kw):
 
 def test_triton_is_registered_first_and_named_in_the_backend_list():
     assert list(backends.REGISTRY)[0] == "triton" and backends.REGISTRY["triton"] is tx
-    assert backends.BACKENDS == ("auto", "triton", "decode", "fused", "tiled")
+    assert backends.BACKENDS == ("auto", "triton", "decode", "flash", "fused", "tiled")
 
 
 def test_auto_never_picks_triton_for_cpu_tensors(monkeypatch):

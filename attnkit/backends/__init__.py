@@ -13,11 +13,12 @@ from types import ModuleType
 from typing import Dict, List, Optional
 
 from ..spec import AttentionSpec
-from . import decode, fused, tiled, triton
+from . import decode, flash, fused, tiled, triton
 from .base import not_supported_reasons
 
 #: Executors by name, in the order ``backend="auto"`` tries them.
-REGISTRY: Dict[str, ModuleType] = {mod.CAPS.name: mod for mod in (triton, decode, fused, tiled)}
+REGISTRY: Dict[str, ModuleType] = {mod.CAPS.name: mod for mod in (triton, decode, flash, fused,
+                                                                  tiled)}
 PRIORITY: List[str] = list(REGISTRY)
 BACKENDS = ("auto", *PRIORITY)
 

@@ -57,14 +57,14 @@ from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
-           "softcap_backward", "alibi_tile", "pool_stats", "MAX_QUERY_ROWS",
-           "NativeKernelWarning"]
+           "softcap_backward", "alibi_tile", "flash_forward", "FLASH_BLOCK", "pool_stats",
+           "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
-            _HERE / "pool.c")
+            _HERE / "flash.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 11  # AK_ABI in decode.c
+_ABI = 12  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -264,6 +264,13 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
         info["h16"] = bool(lib.attnkit_native_has_h16())
+        info["flash"] = bool(lib.attnkit_flash_available())
+        lib.attnkit_flash_forward.argtypes = [p]
+        lib.attnkit_flash_forward.restype = i32
+        if lib.attnkit_flash_args_size() != ctypes.sizeof(_FlashArgs):
+            return None, (f"{path}: the flash kernel's argument block has "
+                          f"{lib.attnkit_flash_args_size()} bytes, expected "
+                          f"{ctypes.sizeof(_FlashArgs)}"), info
         return lib, None, info
     return None, f"building the native decode kernel failed: {info.get('error')}", info
 
@@ -702,6 +709,142 @@ def softcap_backward(ds: Tensor, raw: Tensor, cap: float) -> Optional[Tensor]:
 
 _POOL_STATS = ("threads", "calls", "parallel_runs", "busy_runs", "woken", "caller_extra",
                "last_threads")
+
+
+#: keys per block of the flash kernel (AK_FN in flash.c): key segment ids and
+#: relative-position tables must reach this far past the last key
+FLASH_BLOCK = 64
+_FLASH_MAX_DIM = 256  # AK_FD
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _FlashArgs(ctypes.Structure):
+    """ak_flash_args in flash.c, field for field."""
+
+    _fields_ = [("q", _P), ("k", _P), ("v", _P), ("dtype", _I32), ("N", _I64), ("Hq", _I64),
+                ("Hkv", _I64), ("Lq", _I64), ("Lk", _I64), ("d", _I64), ("dv", _I64),
+                ("qs", _I64 * 3), ("ks", _I64 * 3), ("vs", _I64 * 3), ("scale", _F32),
+                ("lo", _P), ("hi", _P), ("bounds_bstride", _I64), ("qseg", _P), ("kseg", _P),
+                ("qseg_bstride", _I64), ("kseg_bstride", _I64), ("softcap", _F32),
+                ("alibi", _P), ("alibi_bstride", _I64), ("ipos", _P), ("ipos_bstride", _I64),
+                ("rel", _P), ("rel_hstride", _I64), ("rel_base", _I64), ("sinks", _P),
+                ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("threads", _I32)]
+
+
+def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Optional[Tensor], int]:
+    """``x`` (N|1, length) as contiguous int32 and its batch stride (0 when shared)."""
+    if x is None:
+        return None, 0
+    if x.dim() != 2 or x.shape[0] not in (1, n) or x.shape[1] != length:
+        raise ValueError(f"flash_forward: {name} must be (N or 1, {length}); got "
+                         f"{tuple(x.shape)}")
+    x = x.to(torch.int32).contiguous()
+    return x, (length if x.shape[0] == n and n > 1 else 0)
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor, hi: Tensor, *,
+                  segments: Optional[Tuple[Tensor, Tensor]] = None, softcap: float = 0.0,
+                  alibi: Optional[Tensor] = None, ipos: Optional[Tensor] = None,
+                  rel: Optional[Tensor] = None, rel_base: int = 0,
+                  sinks: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
+    """FlashAttention forward in float32 arithmetic with the terms evaluated in registers
+    (``flash.c``): returns ``out (N, Hq, Lq, Dv)`` and the natural-log ``lse (N, Hq, Lq)``,
+    float32, or None when the kernel is unavailable (no compiler, or a CPU without AVX-512).
+
+    ``q (N, Hq, Lq, D)``, ``k (N, Hkv, Lk, D)``, ``v (N, Hkv, Lk, Dv)``: one dtype of float32,
+    bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
+    Hq a multiple of Hkv. Row ``i`` of batch row ``b`` sees keys ``lo[b, i] <= j < hi[b, i]``
+    (``lo``/``hi`` are ``(N|1, Lq)``) and, with ``segments = (ids_q (N|1, Lq), ids_kv (N|1,
+    Lk + FLASH_BLOCK))``, only keys of its own segment. Score terms: ``softcap`` (> 0: ``cap *
+    tanh(s / cap)``), ALiBi ``alibi (N|1, Hq)`` slopes with ``ipos (N|1, Lq)`` the aligned row
+    positions (``-slope * |ipos - j|``), a relative table ``rel (Hq|1, T)`` read at ``j - i +
+    rel_base`` (every visited key block must index inside it: ``T >= rel_base + nkb *
+    FLASH_BLOCK`` and ``rel_base >= Lq - 1``), ``sinks (Hq,)`` one extra logit per head. A row
+    that sees no key (and has no sink) gets out 0 and lse -inf."""
+    lib = _lib()
+    if lib is None or not _state["info"].get("flash"):
+        return None
+    n, hq, lq, d = q.shape
+    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    dtype = _DTYPES.get(q.dtype)
+    if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flash_forward: q, k and v must share one dtype of float32, bfloat16 "
+                        f"or float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (k.shape[0] != n or v.shape[:3] != k.shape[:3] or k.shape[3] != d or hkv == 0
+            or hq % hkv):
+        raise ValueError(f"flash_forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)} do not fit (N, Hq, Lq, D), (N, Hkv, Lk, D), "
+                         f"(N, Hkv, Lk, Dv) with Hq a multiple of Hkv")
+    if d % 16 or dv % 16 or not 0 < max(d, dv) <= _FLASH_MAX_DIM or min(d, dv) <= 0:
+        raise ValueError(f"flash_forward: head dims must be multiples of 16 up to "
+                         f"{_FLASH_MAX_DIM}; got D={d}, Dv={dv}")
+    if any(x.device.type != "cpu" for x in (q, k, v)):
+        raise ValueError("flash_forward runs on CPU tensors")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty(n, hq, lq, dv, dtype=torch.float32)
+    lse = torch.empty(n, hq, lq, dtype=torch.float32)
+    if n * hq * lq == 0:
+        return out, lse
+    if lk == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    nkb = -(-lk // FLASH_BLOCK)
+    kt = torch.empty(n * hkv * nkb * d * FLASH_BLOCK, dtype=torch.float32)
+    vf = None if v.dtype == torch.float32 else torch.empty(n * hkv * lk * dv,
+                                                           dtype=torch.float32)
+    lo32, lo_bs = _rows_i32(lo, n, lq, "lo")
+    hi32, _ = _rows_i32(hi, n, lq, "hi")
+    if lo32.shape[0] != hi32.shape[0]:  # (one batch stride for both)
+        lo32, hi32 = (x.expand(n, lq).contiguous() for x in (lo32, hi32))
+        lo_bs = lq
+    keep: List[Any] = [q, k, v, out, lse, kt, vf, lo32, hi32]
+    a = _FlashArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dtype=dtype, N=n, Hq=hq,
+                   Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
+                   hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(softcap),
+                   kt=kt.data_ptr(), vf=0 if vf is None else vf.data_ptr(),
+                   out=out.data_ptr(), lse=lse.data_ptr(), threads=torch.get_num_threads())
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        getattr(a, name[0] + "s")[:] = [x.stride(0), x.stride(1), x.stride(2)]
+    if segments is not None:
+        sq, sq_bs = _rows_i32(segments[0], n, lq, "segments[0]")
+        sk, sk_bs = _rows_i32(segments[1], n, lk + FLASH_BLOCK, "segments[1]")
+        a.qseg, a.kseg = sq.data_ptr(), sk.data_ptr()
+        a.qseg_bstride, a.kseg_bstride = sq_bs, sk_bs
+        keep += [sq, sk]
+    if alibi is not None:
+        if ipos is None:
+            raise ValueError("flash_forward: alibi needs ipos, the aligned row positions")
+        if alibi.dim() != 2 or alibi.shape[0] not in (1, n) or alibi.shape[1] != hq:
+            raise ValueError(f"flash_forward: alibi must be (N or 1, {hq}); got "
+                             f"{tuple(alibi.shape)}")
+        sl = (alibi.detach().to(torch.float32) * _LOG2E).contiguous()
+        ip, ip_bs = _rows_i32(ipos, n, lq, "ipos")
+        a.alibi, a.alibi_bstride = sl.data_ptr(), (hq if sl.shape[0] == n and n > 1 else 0)
+        a.ipos, a.ipos_bstride = ip.data_ptr(), ip_bs
+        keep += [sl, ip]
+    if rel is not None:
+        if (rel.dim() != 2 or rel.shape[0] not in (1, hq) or rel_base < lq - 1
+                or rel.shape[1] < rel_base + nkb * FLASH_BLOCK):
+            raise ValueError(f"flash_forward: rel must be (Hq or 1, >= rel_base + "
+                             f"{nkb * FLASH_BLOCK}) with rel_base >= Lq - 1 = {lq - 1}; got "
+                             f"{tuple(rel.shape)}, rel_base={rel_base}")
+        rt = (rel.detach().to(torch.float32) * _LOG2E).contiguous()
+        a.rel, a.rel_hstride, a.rel_base = rt.data_ptr(), (rt.shape[1] if rt.shape[0] > 1
+                                                           else 0), rel_base
+        keep.append(rt)
+    if sinks is not None:
+        sk_t = sinks.detach().to(torch.float32).reshape(-1).contiguous()
+        if sk_t.numel() != hq:
+            raise ValueError(f"flash_forward: sinks must have {hq} entries; got {sk_t.numel()}")
+        a.sinks = sk_t.data_ptr()
+        keep.append(sk_t)
+    rc = lib.attnkit_flash_forward(ctypes.byref(a))
+    if rc != 0:
+        raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
+    del keep
+    return out, lse
+
+
+_LOG2E = 1.4426950408889634
 
 
 def pool_stats() -> dict:

@@ -1,0 +1,343 @@
+"""Executor on attnkit's own CPU flash kernel (``attnkit/native/flash.c``).
+
+The forward walks key blocks of 64 with the online softmax and evaluates the analytic terms in
+registers: causal with either diagonal, windows, key and query padding, left padding and row
+offsets become one visible key interval per row (computed here, in int32); documents are a
+narrower interval when their ids ascend (packed sequences) and a segment-id test otherwise;
+ALiBi, softcap, a relative-position table and sinks are score terms. Nothing of size
+``Lq x Lk`` is written, and one call is one parallel region (two: the keys are first packed
+into transposed float32 blocks).
+
+The backward is the one the next executor in line would run (torch's fused CPU backward, or
+the tiled executor for softcap and learnable tables), called with this forward's output and
+log-sum-exp: the same math, since both depend on the forward only through ``out`` and ``lse``.
+
+Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
+rows the NaN (and +inf log-sum-exp) the float64 reference gives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import native
+from ..masks import structure_of
+from ..mods import info_of
+from ..spec import AttentionSpec
+from .base import Capabilities, ForwardResult, Grads, not_supported_reasons
+
+CAPS = Capabilities(
+    name="flash",
+    features=frozenset({"window", "mask_mod", "block_mask", "seqlens_q", "seqlens_kv",
+                        "starts_kv", "segments", "batch_segments", "row_offset", "alibi",
+                        "softcap", "sinks", "additive_score_mod", "score_mod_grad"}),
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    devices=frozenset({"cpu"}),
+    max_head_dim=256,
+    head_dim_multiple=16,
+    why={"mask": "a mask tensor is not an analytic term",
+         "bias": "a bias tensor is read by the fused and tiled executors",
+         "bias_grad": "a bias tensor is read by the fused and tiled executors",
+         "alibi_rows": "per-row ALiBi slopes are not a kernel term",
+         "score_mod": "a score_mod is Python; the kernel evaluates only analytic terms",
+         "dropout": "the kernel has no dropout",
+         "dropout_mask": "the kernel has no dropout",
+         "max_scores": "the kernel does not report row maxima",
+         "p_scale": "the kernel does not quantize the softmax weights",
+         "paged_kv": "paged caches are the decode executor's",
+         "fp8_kv": "fp8 caches are the decode executor's"},
+)
+
+#: additive score_mod builtins the kernel evaluates (by their structure's kind)
+_TABLES = ("relative_bias",)
+
+
+def _table_of(spec: AttentionSpec) -> Optional[Tensor]:
+    """The relative-position table of a relative_bias score_mod, else None."""
+    info = info_of(spec.score_mod) if spec.score_mod is not None else None
+    st = getattr(info, "structure", None) if info is not None else None
+    if not isinstance(st, dict) or st.get("kind") not in _TABLES:
+        return None
+    return st.get("table")
+
+
+def extra_reasons(spec: AttentionSpec) -> List[str]:
+    """The kernel must be built for this CPU; score_mods only as the builtin tables."""
+    why = []
+    if not native.build_info().get("flash", False):
+        reason = native.unavailable_reason()
+        why.append("the native flash kernel is unavailable (" + (
+            reason or "this CPU has no AVX-512, or the build did not target it") + ")")
+    if (spec.mask_mod is not None or spec.block_mask is not None) and (
+            mask_intervals(spec) is None):
+        why.append("flash runs a mask_mod (or a BlockMask) only as a builtin whose rows see one "
+                   "key interval (causal, window, prefix_lm, chunked, padding, documents with "
+                   "ascending ids, and_masks of those), with blocks that agree with it")
+    if spec.score_mod is not None and _table_of(spec) is None:
+        why.append("flash evaluates only the relative_bias score_mod builtin")
+    if spec.q.dtype != spec.k.dtype or spec.v.dtype != spec.q.dtype:
+        why.append("flash needs q, k and v in one dtype")
+    return why
+
+
+@dataclass
+class FlashPlan:
+    """No tiles to plan: the kernel skips blocks itself. Holds the executor whose backward
+    (and non-finite forward) this one uses, and its plan, made when first needed."""
+
+    spec: AttentionSpec
+    _next: Optional[Tuple[ModuleType, Any]] = field(default=None, repr=False)
+
+    def next(self) -> Tuple[ModuleType, Any]:
+        if self._next is None:
+            from . import PRIORITY, REGISTRY
+
+            for name in PRIORITY[PRIORITY.index(CAPS.name) + 1:]:
+                mod = REGISTRY[name]
+                auto = mod.CAPS.auto_devices
+                if auto is not None and self.spec.q.device.type not in auto:
+                    continue
+                if not not_supported_reasons(mod, self.spec):
+                    self._next = (mod, mod.make_plan(self.spec))
+                    break
+            else:  # (the tiled executor runs every spec flash runs)
+                raise NotImplementedError("flash: no executor can run this call's backward")
+        return self._next
+
+
+def make_plan(spec: AttentionSpec) -> FlashPlan:
+    return FlashPlan(spec)
+
+
+def _per_batch(x: Optional[Tensor], n: int, default: int) -> Tensor:
+    if x is None:
+        return torch.full((1, 1), default, dtype=torch.int64)
+    return x.to(torch.int64).reshape(n, 1)
+
+
+def bounds(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per row the visible key interval ``[lo, hi)`` and the aligned position ``i'``, each
+    ``(N|1, Lq)`` int64: causal/window relative to ``i'``, then key padding, left padding
+    and query padding."""
+    n, lq, lk = spec.n, spec.lq, spec.lk
+    ip = spec.aligned_rows().to(torch.int64).reshape(-1, lq)
+    lo = torch.zeros_like(ip)
+    hi = torch.full_like(ip, lk)
+    if spec.left is not None:
+        lo = torch.maximum(lo, ip - spec.left)
+    if spec.right is not None:
+        hi = torch.minimum(hi, ip + spec.right + 1)
+    if spec.seqlens_kv is not None:
+        hi = torch.minimum(hi, _per_batch(spec.seqlens_kv, n, lk))
+    if spec.starts_kv is not None:
+        lo = torch.maximum(lo, _per_batch(spec.starts_kv, n, 0))
+    if spec.seqlens_q is not None:
+        rows = torch.arange(lq).view(1, lq)
+        hi = torch.where(rows < _per_batch(spec.seqlens_q, n, lq), hi, 0)
+    lo, hi = torch.broadcast_tensors(lo, hi)
+    return lo, hi, ip
+
+
+def _segments(spec: AttentionSpec, lo: Tensor, hi: Tensor
+              ) -> Tuple[Tensor, Tensor, Optional[Tuple[Tensor, Tensor]]]:
+    """Documents: ascending ids narrow each row's interval to its own document's keys (then
+    no id test is needed); other ids also go to the kernel for the per-pair test."""
+    sq, sk = spec.segments_q, spec.segments_kv
+    runs = _ascending_runs(sq, sk)
+    if runs is not None:
+        return torch.maximum(lo, runs[0]), torch.minimum(hi, runs[1]), None
+    sq2 = sq.view(1, -1) if sq.dim() == 1 else sq
+    sk2 = sk.view(1, -1) if sk.dim() == 1 else sk
+    pad = torch.full((sk2.shape[0], native.FLASH_BLOCK), -1, dtype=sk2.dtype)
+    return lo, hi, (sq2, torch.cat([sk2, pad], 1))
+
+
+def _rel_table(spec: AttentionSpec, table: Tensor) -> Tuple[Tensor, int]:
+    """The relative table expanded so that ``ext[h, j - i + base]`` is the term for every
+    query row and every key of a visited block (distances clamped as the builtin clamps)."""
+    m = (table.shape[-1] + 1) // 2
+    lq, nkb = spec.lq, -(-spec.lk // native.FLASH_BLOCK)
+    base = lq - 1
+    dist = torch.arange(-base, nkb * native.FLASH_BLOCK).clamp(-(m - 1), m - 1) + (m - 1)
+    t = table.detach().to(torch.float32)
+    t = t.view(1, -1) if t.dim() == 1 else t
+    return t[:, dist], base
+
+
+#: a row's visible keys as ``[lo, hi)`` from its index ``i (1, Lq)`` and the key count, by
+#: structure kind (None for a kind whose rows do not see one interval)
+Interval = Callable[[Tensor, int, int], Optional[Tuple[Tensor, Tensor]]]
+
+
+def _band(st: dict) -> Interval:
+    b_lo, b_hi = st["band"]  # visible iff b_lo <= j - i <= b_hi
+
+    def rows(i: Tensor, n: int, lk: int) -> Tuple[Tensor, Tensor]:
+        lo = i + b_lo if b_lo is not None else torch.zeros_like(i)
+        hi = i + b_hi + 1 if b_hi is not None else torch.full_like(i, lk)
+        return lo, hi
+    return rows
+
+
+def _prefix(st: dict) -> Interval:
+    p = int(st["prefix_len"])
+    return lambda i, n, lk: (torch.zeros_like(i), torch.clamp(i + 1, min=p))
+
+
+def _chunked(st: dict) -> Interval:
+    c = int(st["chunk_size"])
+    return lambda i, n, lk: (i // c * c, i + 1)
+
+
+def _padding(st: dict) -> Optional[Interval]:
+    sq, sk = st.get("seqlens_q"), st.get("seqlens_kv")
+
+    def rows(i: Tensor, n: int, lk: int) -> Optional[Tuple[Tensor, Tensor]]:
+        if any(x is not None and x.numel() not in (1, n) for x in (sq, sk)):
+            return None
+        hi = torch.full_like(i, lk) if sk is None else sk.to(torch.int64).reshape(-1, 1).expand(
+            -1, i.shape[1])
+        if sq is not None:
+            hi = torch.where(i < sq.to(torch.int64).reshape(-1, 1), hi, 0)
+        return torch.zeros_like(hi), hi
+    return rows
+
+
+def _ascending_runs(ids_q: Tensor, ids_kv: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """Each query's keys of its own segment as ``[first, end)``, ``(N|1, Lq)``, when the key
+    ids ascend (packed documents); None otherwise."""
+    sq = (ids_q.view(1, -1) if ids_q.dim() == 1 else ids_q).to(torch.int64).contiguous()
+    sk = (ids_kv.view(1, -1) if ids_kv.dim() == 1 else ids_kv).to(torch.int64).contiguous()
+    if sk.shape[1] > 1 and not bool((sk[:, 1:] >= sk[:, :-1]).all()):
+        return None
+    if sq.shape[0] != sk.shape[0]:
+        sq, sk = (x.expand(max(sq.shape[0], sk.shape[0]), -1).contiguous() for x in (sq, sk))
+    return (torch.searchsorted(sk, sq, right=False), torch.searchsorted(sk, sq, right=True))
+
+
+def _document(st: dict) -> Interval:
+    def rows(i: Tensor, n: int, lk: int) -> Optional[Tuple[Tensor, Tensor]]:
+        ids_q, ids_kv = st["doc_ids_q"][..., :i.shape[1]], st["doc_ids_kv"][..., :lk]
+        if ids_q.dim() == 2 and ids_q.shape[0] not in (1, n):
+            return None
+        return _ascending_runs(ids_q, ids_kv)
+    return rows
+
+
+def _interval_of(st: Optional[dict]) -> Optional[Interval]:
+    """A builtin mask's structure as per-row key intervals, or None."""
+    if not isinstance(st, dict):
+        return None
+    kind = st.get("kind")
+    if kind == "full":
+        return lambda i, n, lk: (torch.zeros_like(i), torch.full_like(i, lk))
+    if kind in ("causal", "window") and "band" in st:
+        return _band(st)
+    if kind == "prefix_lm":
+        return _prefix(st)
+    if kind == "chunked":
+        return _chunked(st)
+    if kind == "padding":
+        return _padding(st)
+    if kind == "document":
+        return _document(st)
+    if kind == "and":
+        parts = [_interval_of(p) for p in st.get("parts", ())]
+        if not parts or any(p is None for p in parts):
+            return None
+
+        def rows(i: Tensor, n: int, lk: int) -> Optional[Tuple[Tensor, Tensor]]:
+            lo, hi = torch.zeros_like(i), torch.full_like(i, lk)
+            for part in parts:
+                r = part(i, n, lk)
+                if r is None:
+                    return None
+                lo, hi = torch.maximum(lo, r[0]), torch.minimum(hi, r[1])
+            return lo, hi
+        return rows
+    return None
+
+
+def mask_intervals(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
+    """The ``mask_mod`` or BlockMask as per-row key intervals ``(N|1, Lq)``, or None when it
+    is not a builtin of that form, or (a BlockMask) its blocks disagree with its mask_mod: a
+    block listed full must be full under the mask_mod and a block not listed must be empty
+    (a listed partial block may be anything)."""
+    bm = spec.block_mask
+    mod = spec.mask_mod if bm is None else bm.mask_mod
+    rows = _interval_of(structure_of(mod))
+    r = None if rows is None else rows(torch.arange(spec.lq).view(1, -1), spec.n, spec.lk)
+    if r is None or bm is None:
+        return r
+    lo, hi = torch.broadcast_tensors(*r)
+    bq, bk = bm.BLOCK_SIZE
+    kinds = bm.block_kinds()  # (B|1, H|1, NQ, NK)
+    nqb, nkb = kinds.shape[-2:]
+    k0 = torch.arange(nkb) * bk
+    k1 = torch.clamp(k0 + bk, max=spec.lk)
+    lo3, hi3 = lo.unsqueeze(-1), hi.unsqueeze(-1)  # (N|1, Lq, 1)
+    sees = (lo3 < k1) & (hi3 > k0) & (lo3 < hi3)  # row sees some key of the block
+    whole = (lo3 <= k0) & (hi3 >= k1)
+    pad = nqb * bq - spec.lq
+    if pad > 0:  # rows past Lq: they see nothing and never make a block less full
+        sees = torch.nn.functional.pad(sees, (0, 0, 0, pad), value=False)
+        whole = torch.nn.functional.pad(whole, (0, 0, 0, pad), value=True)
+    any_ = sees[:, :nqb * bq].reshape(sees.shape[0], nqb, bq, nkb).any(2).unsqueeze(1)
+    full = whole[:, :nqb * bq].reshape(whole.shape[0], nqb, bq, nkb).all(2).unsqueeze(1)
+    if bool(((kinds == 2) & ~full).any()) or bool(((kinds == 0) & any_).any()):
+        return None
+    return lo, hi
+
+
+def _inputs_finite(spec: AttentionSpec) -> bool:
+    return all(math.isfinite(float(x.sum(dtype=torch.float32))) for x in (spec.q, spec.k,
+                                                                            spec.v))
+
+
+def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
+    """The native forward (the next executor's for non-finite inputs)."""
+    if not _inputs_finite(spec):
+        mod, p = plan.next()
+        return mod.forward(spec, p)
+    lo, hi, ip = bounds(spec)
+    if spec.mask_mod is not None or spec.block_mask is not None:
+        r = mask_intervals(spec)
+        if r is None:  # (ids or lengths for another batch size: the next executor's)
+            mod, p = plan.next()
+            return mod.forward(spec, p)
+        lo, hi = torch.maximum(lo, r[0]), torch.minimum(hi, r[1])
+    segments = None
+    if spec.segments_q is not None:
+        lo, hi, segments = _segments(spec, lo, hi)
+    lim = torch.iinfo(torch.int32)
+    lo, hi = (x.clamp(lim.min, lim.max) for x in (lo, hi))
+    alibi = None
+    if spec.alibi_slopes is not None:
+        alibi = spec.alibi_slopes.reshape(-1, spec.hq)
+    rel, base = None, 0
+    table = _table_of(spec)
+    if table is not None:
+        rel, base = _rel_table(spec, table)
+    res = native.flash_forward(
+        spec.q, spec.k, spec.v, spec.scale, lo, hi, segments=segments,
+        softcap=spec.softcap or 0.0, alibi=alibi, ipos=ip if alibi is not None else None,
+        rel=rel, rel_base=base, sinks=spec.sinks)
+    if res is None:  # (extra_reasons refused an unavailable kernel before this)
+        raise NotImplementedError("flash: the native flash kernel is unavailable")
+    out, lse = res
+    cd = spec.compute_dtype
+    mx = torch.full((), float("nan"), dtype=cd).expand(lse.shape)
+    return ForwardResult(out=out.to(cd), lse=lse.to(cd), max_scores=mx)
+
+
+def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dout: Tensor,
+             dlse: Optional[Tensor] = None) -> Grads:
+    """The next executor's backward, from this forward's ``out`` and ``lse``."""
+    mod, p = plan.next()
+    return mod.backward(spec, p, out, lse, dout, dlse)

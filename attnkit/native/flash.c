@@ -1,0 +1,429 @@
+/* attnkit native kernels: flash attention forward on the CPU, float32 arithmetic (AVX-512).
+ *
+ * One call computes softmax(scale * Q K^T + terms, masked) V and the log-sum-exp for every
+ * (batch, query head) over query blocks of AK_FM rows, with the online softmax of
+ * FlashAttention: per key block of AK_FN keys the scores of AK_FR query rows are held in
+ * registers (AK_FR x AK_FN / 16 accumulators), the terms are evaluated on them in place, the
+ * weights go to a small L1 buffer and are multiplied into the rows' output accumulators at
+ * once, so no score or mask tile is ever written to memory.
+ *
+ * Terms, evaluated in registers (all optional):
+ *   - visibility: key j of row r is visible iff lo[r] <= j < hi[r] (per batch row: causal with
+ *     either diagonal, windows, key padding and left padding as one interval) and, with
+ *     segment ids, qseg[r] == kseg[j] (documents);
+ *   - softcap: s = cap * tanh(s / cap) (on scale * q.k, before the additive terms);
+ *   - ALiBi: s -= slope[h] * |ipos[r] - j|;
+ *   - a relative-position table: s += rel[h][j - r + rel_base] (the caller expands and clamps
+ *     the table so that every j of a visited block indexes inside it);
+ *   - sinks: one extra logit per head in the denominator.
+ * A key block that every row of a group sees whole skips the visibility test; one that no row
+ * of the group sees is skipped. Scores are kept in the base-2 domain (log2(e) folded into the
+ * scale and the terms), so each weight is one exp2: a degree-6 polynomial and a scalef.
+ *
+ * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
+ * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
+ * (parallel pass) transposed by blocks into float32 scratch: kt[(n, hkv, kb)][c][AK_FN],
+ * values as float32 rows (only when they are not float32 already). out (N, Hq, Lq, dv) and
+ * lse (N, Hq, Lq) are float32, contiguous. Rows with no visible key (and no sink) get out 0
+ * and lse -inf.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "pool.h"
+
+#define AK_FM 64  /* query rows per work item */
+#define AK_FN 64  /* keys per block */
+#define AK_FR 4   /* query rows per register group */
+#define AK_FD 256 /* largest head dim */
+
+typedef struct {
+    const void *q, *k, *v;
+    int32_t dtype; /* 0 float32, 1 bfloat16, 2 float16 */
+    int64_t N, Hq, Hkv, Lq, Lk, d, dv;
+    int64_t qs[3], ks[3], vs[3]; /* strides (elements) of batch, head, row */
+    float scale;
+    /* visibility: lo/hi per (N|1, Lq); bstride 0 when shared by the batch */
+    const int32_t *lo, *hi;
+    int64_t bounds_bstride;
+    const int32_t *qseg, *kseg; /* per (N|1, Lq) and (N|1, Lk + AK_FN), or NULL */
+    int64_t qseg_bstride, kseg_bstride;
+    float softcap; /* 0: none */
+    const float *alibi; /* slopes (N|1, Hq) times log2(e), or NULL */
+    int64_t alibi_bstride;
+    const int32_t *ipos; /* aligned row positions (N|1, Lq) for ALiBi */
+    int64_t ipos_bstride;
+    const float *rel; /* (Hq|1, rel_len) times log2(e), or NULL */
+    int64_t rel_hstride, rel_base;
+    const float *sinks; /* (Hq,) or NULL */
+    float *kt;  /* scratch: N * Hkv * nkb * d * AK_FN floats */
+    float *vf;  /* scratch: N * Hkv * Lk * dv floats when v is not float32, else NULL */
+    float *out, *lse;
+    int32_t threads;
+} ak_flash_args;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 ak_load_row16(const void *p, int dtype, int64_t i) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (dtype == 2) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by its Taylor
+ * polynomial of degree 6 (relative error below 1.2e-7), times 2^n by scalef */
+static inline __m512 ak_exp2(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x); /* NaN in x is kept (second operand) */
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* tanh(x) = sign(x) (1 - E) / (1 + E), E = 2^(-2 log2(e) |x|); an odd polynomial near 0 */
+static inline __m512 ak_tanh(__m512 x) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 ax = _mm512_andnot_ps(sign, x);
+    const __m512 e = ak_exp2(_mm512_mul_ps(_mm512_min_ps(ax, _mm512_set1_ps(9.0f)),
+                                           _mm512_set1_ps(-2.8853900817779268f)));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
+                                     _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 x2 = _mm512_mul_ps(ax, ax);
+    __m512 sm = _mm512_fmadd_ps(x2, _mm512_set1_ps(-17.0f / 315.0f),
+                                _mm512_set1_ps(2.0f / 15.0f));
+    sm = _mm512_fmadd_ps(x2, sm, _mm512_set1_ps(-1.0f / 3.0f));
+    sm = _mm512_fmadd_ps(_mm512_mul_ps(x2, ax), sm, ax);
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.125f),
+                                                             _CMP_LT_OQ), big, sm);
+    return _mm512_or_ps(t, _mm512_and_ps(x, sign));
+}
+
+/* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
+
+typedef struct {
+    const ak_flash_args *a;
+    int64_t nkb, next;
+} ak_pack_ctx;
+
+static void ak_pack_worker(void *vctx, int w, int nw) {
+    (void)w, (void)nw;
+    ak_pack_ctx *ctx = vctx;
+    const ak_flash_args *a = ctx->a;
+    const int64_t d = a->d, dv = a->dv, nkb = ctx->nkb;
+    const int64_t total = a->N * a->Hkv * nkb;
+    const size_t esz = a->dtype == 0 ? 4 : 2;
+    int64_t b0, b1;
+    while (ak_next_block(&ctx->next, 4, total, &b0, &b1)) {
+        for (int64_t t = b0; t < b1; t++) {
+            const int64_t kb = t % nkb, nh = t / nkb, n = nh / a->Hkv, h = nh % a->Hkv;
+            const char *kbase = (const char *)a->k + (n * a->ks[0] + h * a->ks[1]) * esz;
+            float *dst = a->kt + t * d * AK_FN;
+            const int64_t j0 = kb * AK_FN;
+            const int64_t nk = a->Lk - j0 < AK_FN ? a->Lk - j0 : AK_FN;
+            float tile[AK_FN][16];
+            for (int64_t c0 = 0; c0 < d; c0 += 16) {
+                for (int64_t jj = 0; jj < AK_FN; jj++) {
+                    __m512 x = _mm512_setzero_ps();
+                    if (jj < nk)
+                        x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c0);
+                    _mm512_storeu_ps(tile[jj], x);
+                }
+                for (int64_t c = 0; c < 16; c++) {
+                    float *row = dst + (c0 + c) * AK_FN;
+                    for (int64_t jj = 0; jj < AK_FN; jj++) row[jj] = tile[jj][c];
+                }
+            }
+            if (a->vf != NULL) {
+                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
+                float *vd = a->vf + (nh * a->Lk + j0) * dv;
+                for (int64_t jj = 0; jj < nk; jj++)
+                    for (int64_t c0 = 0; c0 < dv; c0 += 16)
+                        _mm512_storeu_ps(vd + jj * dv + c0,
+                                         ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz,
+                                                       a->dtype, c0));
+            }
+        }
+    }
+}
+
+/* ---- the forward ------------------------------------------------------------------------ */
+
+typedef struct {
+    const ak_flash_args *a;
+    int64_t nkb, nqb, next;
+} ak_fwd_ctx;
+
+/* S = Qg Kt for AK_FR rows (q rows of stride d, prescaled) and one packed key block */
+static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
+    for (int r = 0; r < AK_FR; r++)
+        for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c++) {
+        const float *kc = kt + c * AK_FN;
+        const __m512 k0 = _mm512_loadu_ps(kc), k1 = _mm512_loadu_ps(kc + 16);
+        const __m512 k2 = _mm512_loadu_ps(kc + 32), k3 = _mm512_loadu_ps(kc + 48);
+        for (int r = 0; r < AK_FR; r++) {
+            const __m512 qb = _mm512_set1_ps(q[r * d + c]);
+            s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(qb, k2, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(qb, k3, s[r][3]);
+        }
+    }
+}
+
+/* O[rows] = O * alpha + P V over nk keys, dv in chunks of 64 columns */
+static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
+                         const float *v, int64_t vstride, int64_t nk) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dv; c0 += 64) {
+        __m512 acc[AK_FR][4];
+        for (int r = 0; r < AK_FR; r++) {
+            const __m512 al = _mm512_set1_ps(alpha[r]);
+            for (int u = 0; u < 4; u++)
+                acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0 + 16 * u), al);
+        }
+        for (int64_t j = 0; j < nk; j++) {
+            const float *vr = v + j * vstride + c0;
+            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+            const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+            for (int r = 0; r < AK_FR; r++) {
+                const __m512 pb = _mm512_set1_ps(p[r * AK_FN + j]);
+                acc[r][0] = _mm512_fmadd_ps(pb, v0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(pb, v1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(pb, v2, acc[r][2]);
+                acc[r][3] = _mm512_fmadd_ps(pb, v3, acc[r][3]);
+            }
+        }
+        for (int r = 0; r < AK_FR; r++)
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * dv + c0 + 16 * u, acc[r][u]);
+    }
+    for (; c0 < dv; c0 += 16) {
+        __m512 acc[AK_FR];
+        for (int r = 0; r < AK_FR; r++)
+            acc[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0), _mm512_set1_ps(alpha[r]));
+        for (int64_t j = 0; j < nk; j++) {
+            const __m512 vv = _mm512_loadu_ps(v + j * vstride + c0);
+            for (int r = 0; r < AK_FR; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * AK_FN + j]), vv, acc[r]);
+        }
+        for (int r = 0; r < AK_FR; r++) _mm512_storeu_ps(o + r * dv + c0, acc[r]);
+    }
+}
+
+static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
+                        int64_t i1) {
+    const int64_t d = a->d, dv = a->dv, Lk = a->Lk;
+    const int64_t hk = h / (a->Hq / a->Hkv);
+    const int64_t nrows = i1 - i0;
+    const int64_t groups = (nrows + AK_FR - 1) / AK_FR;
+    const int64_t padded = groups * AK_FR;
+    static const float LOG2E = 1.4426950408889634f;
+    const int capped = a->softcap > 0.0f;
+    const float qmul = capped ? a->scale : a->scale * LOG2E;
+    float qbuf[AK_FM * AK_FD] __attribute__((aligned(64)));
+    float obuf[AK_FM * AK_FD] __attribute__((aligned(64)));
+    float pbuf[AK_FR * AK_FN] __attribute__((aligned(64)));
+    float m[AK_FM], l[AK_FM];
+    int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM];
+    float ipf[AK_FM];
+    const size_t esz = a->dtype == 0 ? 4 : 2;
+    const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
+    int32_t kmin = INT32_MAX, kmax = 0;
+    for (int64_t r = 0; r < padded; r++) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        if (r < nrows) {
+            const int64_t i = i0 + r;
+            const char *qr = qbase + i * a->qs[2] * esz;
+            for (int64_t c = 0; c < d; c += 16)
+                _mm512_storeu_ps(qbuf + r * d + c,
+                                 _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
+                                               _mm512_set1_ps(qmul)));
+            int32_t a0 = a->lo[n * a->bounds_bstride + i], a1 = a->hi[n * a->bounds_bstride + i];
+            if (a0 < 0) a0 = 0;
+            if (a1 > Lk) a1 = (int32_t)Lk;
+            lo[r] = a0, hi[r] = a1;
+            if (a0 < a1) {
+                kmin = a0 < kmin ? a0 : kmin;
+                kmax = a1 > kmax ? a1 : kmax;
+            }
+            qs[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
+            ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
+        } else {
+            memset(qbuf + r * d, 0, (size_t)d * 4);
+            lo[r] = 0, hi[r] = 0, qs[r] = 0, ipf[r] = 0.0f;
+        }
+        memset(obuf + r * dv, 0, (size_t)dv * 4);
+    }
+    const float *ktb = a->kt + (n * a->Hkv + hk) * nkb * d * AK_FN;
+    const float *vb;
+    int64_t vstride;
+    if (a->vf != NULL) {
+        vb = a->vf + (n * a->Hkv + hk) * Lk * dv;
+        vstride = dv;
+    } else {
+        vb = (const float *)a->v + n * a->vs[0] + hk * a->vs[1];
+        vstride = a->vs[2];
+    }
+    const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
+    const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
+    const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const int64_t kb0 = kmax > kmin ? kmin / AK_FN : 0;
+    const int64_t kb1 = kmax > kmin ? (kmax + AK_FN - 1) / AK_FN : 0;
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        const int32_t j0 = (int32_t)(kb * AK_FN);
+        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
+        const float *kt = ktb + kb * d * AK_FN;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = g * AK_FR;
+            int any = 0, full = 1;
+            for (int r = 0; r < AK_FR; r++) {
+                const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
+                any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
+                full &= a0 <= j0 && a1 >= j0 + AK_FN;
+            }
+            if (!any) continue;
+            if (kseg != NULL && full) {
+                for (int r = 0; r < AK_FR && full; r++)
+                    for (int64_t jj = 0; jj < AK_FN; jj++)
+                        if (kseg[j0 + jj] != qs[r0 + r]) {
+                            full = 0;
+                            break;
+                        }
+            }
+            __m512 s[AK_FR][4];
+            ak_scores(qbuf + r0 * d, d, kt, s);
+            float alpha[AK_FR];
+            for (int r = 0; r < AK_FR; r++) {
+                const int64_t rr = r0 + r;
+                if (capped) {
+                    const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
+                    const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
+                    for (int u = 0; u < 4; u++)
+                        s[r][u] = _mm512_mul_ps(ak_tanh(_mm512_mul_ps(s[r][u], inv)), cl);
+                }
+                if (a->alibi) {
+                    const __m512 ip = _mm512_set1_ps(ipf[rr]), sl = _mm512_set1_ps(slope);
+                    for (int u = 0; u < 4; u++) {
+                        const __m512 jf = _mm512_cvtepi32_ps(
+                            _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
+                        const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(ip, jf));
+                        s[r][u] = _mm512_fnmadd_ps(sl, dist, s[r][u]);
+                    }
+                }
+                if (rel != NULL) {
+                    const float *tr = rel + j0 - rr;
+                    for (int u = 0; u < 4; u++)
+                        s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
+                }
+                if (!full) {
+                    const __m512i a0 = _mm512_set1_epi32(lo[rr]), a1 = _mm512_set1_epi32(hi[rr]);
+                    for (int u = 0; u < 4; u++) {
+                        const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u));
+                        __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
+                                        _mm512_cmplt_epi32_mask(j, a1);
+                        if (kseg != NULL)
+                            vis &= _mm512_cmpeq_epi32_mask(
+                                _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
+                                _mm512_set1_epi32(qs[rr]));
+                        s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
+                    }
+                }
+                const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
+                                                 _mm512_max_ps(s[r][2], s[r][3]));
+                const float mx = _mm512_reduce_max_ps(mx4);
+                const float mnew = mx > m[rr] ? mx : m[rr];
+                if (mnew == -INFINITY) { /* nothing visible yet: weights 0, state unchanged */
+                    alpha[r] = 1.0f;
+                    memset(pbuf + r * AK_FN, 0, AK_FN * 4);
+                    continue;
+                }
+                alpha[r] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);
+                m[rr] = mnew;
+                const __m512 mb = _mm512_set1_ps(mnew);
+                __m512 sum = _mm512_setzero_ps();
+                for (int u = 0; u < 4; u++) {
+                    const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], mb));
+                    sum = _mm512_add_ps(sum, p);
+                    _mm512_store_ps(pbuf + r * AK_FN + 16 * u, p);
+                }
+                l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
+            }
+            ak_pv(obuf + r0 * dv, dv, alpha, pbuf, vb + j0 * vstride, vstride, nk);
+        }
+    }
+    const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t i = i0 + r;
+        float *orow = a->out + ((n * a->Hq + h) * a->Lq + i) * dv;
+        float mf = m[r] > sink ? m[r] : sink;
+        if (mf == -INFINITY || !(l[r] > 0.0f || sink > -INFINITY)) {
+            memset(orow, 0, (size_t)dv * 4);
+            a->lse[(n * a->Hq + h) * a->Lq + i] = -INFINITY;
+            continue;
+        }
+        const float w = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mf);
+        const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
+        const __m512 f = _mm512_set1_ps(w / total);
+        for (int64_t c = 0; c < dv; c += 16)
+            _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
+        a->lse[(n * a->Hq + h) * a->Lq + i] = (mf + log2f(total)) * 0.6931471805599453f;
+    }
+}
+
+static void ak_fwd_worker(void *vctx, int w, int nw) {
+    (void)w, (void)nw;
+    ak_fwd_ctx *ctx = vctx;
+    const ak_flash_args *a = ctx->a;
+    const int64_t nqb = ctx->nqb, total = a->N * a->Hq * nqb;
+    int64_t t0, t1;
+    while (ak_next_block(&ctx->next, 1, total, &t0, &t1)) {
+        /* the last query blocks first: under a causal mask they hold the most work */
+        const int64_t qb = nqb - 1 - t0 % nqb, nh = t0 / nqb;
+        const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < a->Lq ? i0 + AK_FM : a->Lq;
+        ak_fwd_item(a, ctx->nkb, nh / a->Hq, nh % a->Hq, i0, i1);
+    }
+}
+
+int attnkit_flash_forward(const ak_flash_args *a) {
+    if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
+        return -1;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
+    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
+    if (a->dtype == 0 && a->vf == NULL && a->vs[2] < a->dv) return -3;
+    const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
+    ak_pack_ctx pc = {a, nkb, 0};
+    ak_pool_run(ak_pack_worker, &pc, a->threads);
+    ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0};
+    ak_pool_run(ak_fwd_worker, &fc, a->threads);
+    return 0;
+}
+
+#else /* no AVX-512: the executor refuses before calling */
+
+int attnkit_flash_forward(const ak_flash_args *a) {
+    (void)a;
+    return -9;
+}
+
+#endif
+
+int attnkit_flash_block(void) { return AK_FN; }
+int attnkit_flash_available(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+int attnkit_flash_args_size(void) { return (int)sizeof(ak_flash_args); }

@@ -1,0 +1,259 @@
+"""attnkit's native CPU flash kernel (backend "flash"): every term it evaluates in registers
+against the float64 oracle, its place in executor selection, its backward (the next
+executor's, from this forward's out and lse) and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fa_tolerance_ok, naive_attention, rand, spy
+
+import attnkit
+from attnkit import backends, masks, native, score_mods
+from attnkit.backends import flash, fused, tiled
+from attnkit.block_mask import create_block_mask
+from attnkit.reference import attention_reference as ref
+from attnkit.spec import build_spec
+
+pytestmark = pytest.mark.skipif(
+    not (native.available() and native.build_info().get("flash")),
+    reason="the native flash kernel needs a C compiler and an AVX-512 CPU")
+
+
+def _qkv(n=2, hq=4, hkv=2, lq=150, lk=None, d=32, dv=None, dtype=torch.float32, seed=0,
+         grad=False):
+    g = torch.Generator().manual_seed(seed)
+    lk = lq if lk is None else lk
+    dv = d if dv is None else dv
+    return (rand(n, hq, lq, d, dtype=dtype, gen=g, requires_grad=grad),
+            rand(n, hkv, lk, d, dtype=dtype, gen=g, requires_grad=grad),
+            rand(n, hkv, lk, dv, dtype=dtype, gen=g, requires_grad=grad))
+
+
+def _check(q, k, v, atol=3e-6, **kw):
+    spec = build_spec(q, k, v, **kw)
+    assert backends.select(spec) is flash, backends.explain(spec)["flash"]
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    r, rl = ref(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    assert (out.double() - r).abs().max().item() < atol
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+    fin = torch.isfinite(rl)
+    assert (lse[fin].double() - rl[fin]).abs().max().item() < atol
+    return out, lse
+
+
+TERMS = {
+    "dense": dict(),
+    "causal": dict(causal=True),
+    "causal_br": dict(causal=True, diagonal="bottom_right"),
+    "window": dict(window=(40, 3)),
+    "window_left_only": dict(window=(70, None)),
+    "window_br": dict(window=(16, 0), diagonal="bottom_right"),
+    "scale": dict(scale=0.05),
+    "softcap": dict(softcap=2.0, causal=True),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), causal=True),
+    "alibi_batch": dict(alibi_slopes=torch.rand(2, 4)),
+    "sinks": dict(sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), causal=True),
+    "seqlens": dict(seqlens_q=torch.tensor([100, 150]), seqlens_kv=torch.tensor([150, 7])),
+    "starts_kv": dict(starts_kv=torch.tensor([0, 90]), causal=True, diagonal="bottom_right"),
+    "relbias": dict(score_mods=("relative_bias", 30, True), causal=True),
+    "relbias_shared": dict(score_mods=("relative_bias", 200, False)),
+    "prefix_lm": dict(mask=masks.prefix_lm(37)),
+    "chunked": dict(mask=masks.chunked(48)),
+    "documents_causal": dict(mask=masks.and_masks(masks.causal(),
+                                                  masks.document_from_lengths([20, 70, 60]))),
+    "documents": dict(mask=masks.document_from_lengths([64, 1, 85])),
+}
+
+
+def _kw(name):
+    kw = dict(TERMS[name])
+    if "score_mods" in kw:
+        _, m, per_head = kw.pop("score_mods")
+        g = torch.Generator().manual_seed(5)
+        table = torch.randn(*((4,) if per_head else ()), 2 * m - 1, generator=g)
+        kw["score_mod"] = score_mods.relative_bias(table)
+    return kw
+
+
+@pytest.mark.parametrize("name", list(TERMS))
+def test_every_term_matches_the_oracle(name):
+    _check(*_qkv(lk=None if "br" not in name and "starts" not in name else 211), **_kw(name))
+
+
+@pytest.mark.parametrize("shape", [dict(lq=1 + 64, lk=3), dict(lq=17, lk=64 * 3),
+                                   dict(lq=200, lk=129, d=48, dv=16), dict(d=192, dv=64),
+                                   dict(hq=6, hkv=1, d=256, dv=256, lq=70),
+                                   dict(n=1, hq=1, hkv=1, lq=20, lk=20, d=16)])
+def test_shapes_block_edges_and_gqa(shape):
+    _check(*_qkv(**shape), causal=True, diagonal="bottom_right")
+    _check(*_qkv(**shape))
+
+
+def test_segments_ascending_and_in_any_order():
+    q, k, v = _qkv(lq=130)
+    ascending = torch.arange(130) // 40
+    shuffled = torch.tensor([3, 1, 2, 1, 0] * 26)
+    for ids in (ascending, shuffled, torch.stack([ascending, shuffled])):
+        spec_kw = dict(mask=masks.document(ids))
+        _check(q, k, v, **spec_kw)
+        _check(q, k, v, causal=True, **spec_kw)
+
+
+def test_a_block_mask_runs_when_its_blocks_agree_with_its_mask_mod():
+    q, k, v = _qkv(lq=300)
+    mod = masks.and_masks(masks.causal(), masks.document_from_lengths([100, 150, 50]))
+    bm = create_block_mask(mod, None, None, 300, 300, BLOCK_SIZE=64)
+    _check(q, k, v, mask=bm)
+    # blocks that claim more than the mask_mod gives: the kernel would hide their pairs
+    kinds = bm.block_kinds()
+    nk = kinds.shape[-1]
+    idx = torch.arange(nk, dtype=torch.int32).expand(*kinds.shape[:-1], nk).contiguous()
+    cnt = torch.full(kinds.shape[:-1], nk, dtype=torch.int32)
+    every_full = attnkit.block_mask.BlockMask(
+        (300, 300), torch.zeros_like(cnt), torch.zeros_like(idx), cnt, idx, None, None, None,
+        None, BLOCK_SIZE=(64, 64), mask_mod=mod)
+    spec = build_spec(q, k, v, mask=every_full)
+    assert backends.select(spec) is not flash
+    assert "agree" in " ".join(backends.reasons(flash, spec))
+    out = attnkit.attention(q, k, v, mask=every_full)
+    assert torch.allclose(out.double(), ref(q.double(), k.double(), v.double(), mask=every_full),
+                          atol=3e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_flash_attentions_rule(dtype):
+    q, k, v = _qkv(dtype=dtype, lq=300, d=64)
+    for kw in (dict(), dict(causal=True), dict(window=(50, 0))):
+        spec = build_spec(q, k, v, **kw)
+        assert backends.select(spec) is flash
+        out = attnkit.attention(q, k, v, **kw)
+        assert out.dtype == dtype
+        r = ref(q.double(), k.double(), v.double(), **kw)
+        mask = None
+        if kw:
+            mask = torch.ones(300, 300, dtype=torch.bool).tril()
+            if "window" in kw:
+                mask &= ~torch.ones(300, 300, dtype=torch.bool).tril(-51)
+        plain = naive_attention(q, k, v, mask=mask)
+        ok, err, base = fa_tolerance_ok(out, r, plain)
+        assert ok, (kw, err, base)
+
+
+def test_rows_that_see_nothing_get_zero_and_minus_infinity():
+    q, k, v = _qkv(lq=100, lk=100)
+    out, lse = _check(q, k, v, seqlens_q=torch.tensor([30, 100]),
+                      seqlens_kv=torch.tensor([0, 100]))
+    assert bool((out[0] == 0).all()) and bool(torch.isneginf(lse[0]).all())
+    # a window right of the last key: rows 0..9 see keys 0..9 shifted past the end
+    out, lse = _check(*_qkv(lq=64, lk=40), window=(0, 0))
+    assert bool((out[:, :, 40:] == 0).all()) and bool(torch.isneginf(lse[:, :, 40:]).all())
+
+
+def test_backward_is_the_next_executors_from_this_forwards_output():
+    q, k, v = _qkv(grad=True, lq=130)
+    for kw in (dict(causal=True), dict(window=(20, 5)), dict(softcap=3.0),
+               _kw("relbias"), dict(sinks=torch.randn(4, requires_grad=True))):
+        out = attnkit.attention(q, k, v, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+        kwd = {key: (val.detach().double() if isinstance(val, torch.Tensor) else val)
+               for key, val in kw.items()}
+        r = ref(qd, kd, vd, **kwd)
+        rg = torch.autograd.grad(r, (qd, kd, vd), torch.ones_like(r))
+        for a, b in zip(grads, rg):
+            assert (a.double() - b).abs().max().item() < 2e-5, kw
+
+
+def test_the_forward_is_native_and_the_backward_fused(monkeypatch):
+    fwd = spy(monkeypatch, fused, "FWD_OP")
+    bwd = spy(monkeypatch, fused, "BWD_OP")
+    kernel = spy(monkeypatch, native, "flash_forward")
+    q, k, v = _qkv(grad=True)
+    attnkit.attention(q, k, v, causal=True).sum().backward()
+    assert kernel and bwd and not fwd
+    kernel.clear()
+    tiled_bwd = spy(monkeypatch, tiled, "backward")
+    attnkit.attention(q, k, v, softcap=2.0).sum().backward()
+    assert kernel and tiled_bwd
+
+
+def test_non_finite_inputs_take_the_next_executors_forward():
+    q, k, v = _qkv(lq=70)
+    q[0, 1, 5, 3] = float("nan")
+    k[1, 0, 9, 0] = float("inf")
+    out = attnkit.attention(q, k, v, causal=True)
+    same = attnkit.attention(q, k, v, causal=True, backend="fused")
+    assert torch.equal(out.isnan(), same.isnan()) and bool(out.isnan().any())
+    fin = ~out.isnan()
+    assert torch.allclose(out[fin], same[fin], atol=1e-5)
+
+
+def test_threads_do_not_change_the_bits():
+    q, k, v = _qkv(n=1, hq=2, hkv=2, lq=333, d=64)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attnkit.attention(q, k, v, causal=True)
+        torch.set_num_threads(2)
+        two = attnkit.attention(q, k, v, causal=True)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_strided_inputs():
+    q, k, v = _qkv(lq=96, d=32)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qt.is_contiguous()
+    assert torch.equal(attnkit.attention(qt, kt, vt, causal=True),
+                       attnkit.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(mask=torch.ones(150, 150, dtype=torch.bool)), "mask"),
+    (dict(bias=torch.zeros(150, 150)), "bias"),
+    (dict(dropout_p=0.1, seed=0), "dropout"),
+    (dict(mask=lambda b, h, i, j: i >= j), "mask_mod"),
+    (dict(score_mod=score_mods.softcap(3.0)), "score_mod"),
+    (dict(mask=masks.dilated_sliding_window(8, 2)), "interval"),
+])
+def test_refusals_name_the_feature_and_auto_runs_the_next(kw, why):
+    q, k, v = _qkv()
+    spec = build_spec(q, k, v, **kw)
+    reasons = " ".join(backends.reasons(flash, spec))
+    assert why in reasons
+    assert backends.select(spec) is not flash
+    with pytest.raises(NotImplementedError, match="backend='flash'"):
+        attnkit.attention(q, k, v, backend="flash", **kw)
+
+
+def test_dtypes_and_dims_it_refuses():
+    for q, k, v in (_qkv(dtype=torch.float64), _qkv(d=24)):
+        spec = build_spec(q, k, v)
+        assert backends.reasons(flash, spec) and backends.select(spec) is not flash
+
+
+def test_without_the_kernel_auto_runs_fused_and_forcing_flash_says_why(monkeypatch):
+    monkeypatch.setitem(native._state["info"], "flash", False)
+    q, k, v = _qkv()
+    spec = build_spec(q, k, v, causal=True)
+    assert backends.select(spec) is fused
+    with pytest.raises(NotImplementedError, match="flash kernel is unavailable"):
+        attnkit.attention(q, k, v, causal=True, backend="flash")
+
+
+def test_the_wrapper_checks_its_arguments():
+    q, k, v = _qkv()
+    lo = torch.zeros(1, 150, dtype=torch.int64)
+    hi = torch.full((1, 150), 150)
+    with pytest.raises(TypeError, match="one dtype"):
+        native.flash_forward(q, k.double(), v, 0.1, lo, hi)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        native.flash_forward(q[..., :8], k[..., :8], v, 0.1, lo, hi)
+    with pytest.raises(ValueError, match="lo must be"):
+        native.flash_forward(q, k, v, 0.1, lo[:, :10], hi)
+    with pytest.raises(ValueError, match="rel must be"):
+        native.flash_forward(q, k, v, 0.1, lo, hi, rel=torch.zeros(1, 10), rel_base=149)
+    with pytest.raises(ValueError, match="alibi needs ipos"):
+        native.flash_forward(q, k, v, 0.1, lo, hi, alibi=torch.zeros(1, 4))
