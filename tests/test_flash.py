@@ -150,32 +150,68 @@ def test_rows_that_see_nothing_get_zero_and_minus_infinity():
     assert bool((out[:, :, 40:] == 0).all()) and bool(torch.isneginf(lse[:, :, 40:]).all())
 
 
-def test_backward_is_the_next_executors_from_this_forwards_output():
-    q, k, v = _qkv(grad=True, lq=130)
-    for kw in (dict(causal=True), dict(window=(20, 5)), dict(softcap=3.0),
-               _kw("relbias"), dict(sinks=torch.randn(4, requires_grad=True))):
-        out = attnkit.attention(q, k, v, **kw)
-        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-        qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-        kwd = {key: (val.detach().double() if isinstance(val, torch.Tensor) else val)
-               for key, val in kw.items()}
-        r = ref(qd, kd, vd, **kwd)
-        rg = torch.autograd.grad(r, (qd, kd, vd), torch.ones_like(r))
-        for a, b in zip(grads, rg):
-            assert (a.double() - b).abs().max().item() < 2e-5, kw
+BACKWARD = {
+    "causal": dict(causal=True),
+    "causal_br": dict(causal=True, diagonal="bottom_right"),
+    "window": dict(window=(20, 5)),
+    "softcap": dict(softcap=3.0, causal=True),
+    "alibi": dict(alibi_slopes=torch.rand(4)),
+    "relbias_fixed": "relbias",
+    "sinks": dict(sinks=torch.randn(4, requires_grad=True), causal=True),
+    "seqlens": dict(seqlens_q=torch.tensor([100, 130]), seqlens_kv=torch.tensor([130, 7])),
+    "documents": dict(mask=masks.document(torch.tensor([3, 1, 2, 1, 0] * 26))),
+    "prefix_lm": dict(mask=masks.prefix_lm(37)),
+}
 
 
-def test_the_forward_is_native_and_the_backward_fused(monkeypatch):
+@pytest.mark.parametrize("name", list(BACKWARD))
+@pytest.mark.parametrize("shape", [dict(), dict(hkv=1, d=64, dv=16)], ids=str)
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_backward_matches_the_oracle(name, shape, with_lse):
+    """dq, dk, dv (and the sinks' gradient) of a loss on out, and on lse too."""
+    kw = _kw("relbias") if BACKWARD[name] == "relbias" else dict(BACKWARD[name])
+    q, k, v = _qkv(grad=True, lq=130, **shape)
+    spec = build_spec(q, k, v, **kw)
+    assert backends.select(spec) is flash
+    dv = v.shape[-1]
+    w = torch.linspace(-1, 1, dv)
+
+    def loss(out, lse):
+        fin = lse.isfinite()
+        extra = (torch.where(fin, lse, 0) * 0.3).sum() if with_lse else 0
+        return (out * w.to(out.dtype)).sum() + extra
+
+    leaves = [q, k, v] + [x for x in kw.values() if isinstance(x, torch.Tensor)
+                          and x.requires_grad]
+    got = torch.autograd.grad(loss(*attnkit.attention(q, k, v, return_lse=True, **kw)), leaves)
+    dbl = [x.detach().double().requires_grad_() for x in leaves]
+    kwd = {key: dbl[3] if isinstance(val, torch.Tensor) and val.requires_grad else val
+           for key, val in kw.items()}
+    want = torch.autograd.grad(loss(*ref(*dbl[:3], return_lse=True, **kwd)), dbl)
+    for name_, a, b in zip("q k v sinks".split(), got, want):
+        scale = max(1.0, b.abs().max().item())
+        assert (a.double() - b).abs().max().item() < 3e-6 * scale * 10, (name, name_)
+
+
+def test_both_passes_are_native_and_a_learnable_table_takes_the_tiled_backward(monkeypatch):
     fwd = spy(monkeypatch, fused, "FWD_OP")
     bwd = spy(monkeypatch, fused, "BWD_OP")
-    kernel = spy(monkeypatch, native, "flash_forward")
-    q, k, v = _qkv(grad=True)
-    attnkit.attention(q, k, v, causal=True).sum().backward()
-    assert kernel and bwd and not fwd
-    kernel.clear()
     tiled_bwd = spy(monkeypatch, tiled, "backward")
-    attnkit.attention(q, k, v, softcap=2.0).sum().backward()
-    assert kernel and tiled_bwd
+    kernel = spy(monkeypatch, native, "flash_forward")
+    kernel_bwd = spy(monkeypatch, native, "flash_backward")
+    q, k, v = _qkv(grad=True)
+    for kw in (dict(causal=True), dict(softcap=2.0), _kw("relbias")):
+        attnkit.attention(q, k, v, **kw).sum().backward()
+    assert kernel and kernel_bwd and not fwd and not bwd and not tiled_bwd
+    table = torch.randn(4, 59, requires_grad=True)
+    out = attnkit.attention(q, k, v, score_mod=score_mods.relative_bias(table), causal=True)
+    kernel_bwd.clear()
+    (dt,) = torch.autograd.grad(out.sum(), table)
+    assert tiled_bwd and not kernel_bwd
+    want = torch.autograd.grad(ref(q.double(), k.double(), v.double(), causal=True,
+                                   score_mod=score_mods.relative_bias(table.double())).sum(),
+                               table)[0]
+    assert torch.allclose(dt.double(), want.double(), atol=1e-4)
 
 
 def test_non_finite_inputs_take_the_next_executors_forward():
@@ -247,13 +283,20 @@ def test_the_wrapper_checks_its_arguments():
     q, k, v = _qkv()
     lo = torch.zeros(1, 150, dtype=torch.int64)
     hi = torch.full((1, 150), 150)
+    t = native.FlashTerms(lo=lo, hi=hi)
     with pytest.raises(TypeError, match="one dtype"):
-        native.flash_forward(q, k.double(), v, 0.1, lo, hi)
+        native.flash_forward(q, k.double(), v, 0.1, t)
     with pytest.raises(ValueError, match="multiples of 16"):
-        native.flash_forward(q[..., :8], k[..., :8], v, 0.1, lo, hi)
+        native.flash_forward(q[..., :8], k[..., :8], v, 0.1, t)
     with pytest.raises(ValueError, match="lo must be"):
-        native.flash_forward(q, k, v, 0.1, lo[:, :10], hi)
+        native.flash_forward(q, k, v, 0.1, native.FlashTerms(lo=lo[:, :10], hi=hi))
     with pytest.raises(ValueError, match="rel must be"):
-        native.flash_forward(q, k, v, 0.1, lo, hi, rel=torch.zeros(1, 10), rel_base=149)
+        native.flash_forward(q, k, v, 0.1, native.FlashTerms(lo=lo, hi=hi,
+                                                             rel=torch.zeros(1, 10),
+                                                             rel_base=149))
     with pytest.raises(ValueError, match="alibi needs ipos"):
-        native.flash_forward(q, k, v, 0.1, lo, hi, alibi=torch.zeros(1, 4))
+        native.flash_forward(q, k, v, 0.1, native.FlashTerms(lo=lo, hi=hi,
+                                                             alibi=torch.zeros(1, 4)))
+    with pytest.raises(ValueError, match="dout must be"):
+        native.flash_backward(q, k, v, 0.1, t, torch.zeros(2, 4, 150, 8),
+                              torch.zeros(2, 4, 150), torch.zeros(2, 4, 150))

@@ -8,9 +8,12 @@ ALiBi, softcap, a relative-position table and sinks are score terms. Nothing of 
 ``Lq x Lk`` is written, and one call is one parallel region (two: the keys are first packed
 into transposed float32 blocks).
 
-The backward is the one the next executor in line would run (torch's fused CPU backward, or
-the tiled executor for softcap and learnable tables), called with this forward's output and
-log-sum-exp: the same math, since both depend on the forward only through ``out`` and ``lse``.
+The backward is FlashAttention-2's, native as well: per key block (in parallel) it walks the
+query blocks that see it, recomputes the weights from the forward's log-sum-exp, and
+accumulates dK and dV in L1 and dQ in a buffer per worker. A relative table that needs its
+own gradient takes the next executor's backward (the tiled one, which holds dS), called with
+this forward's output and log-sum-exp: the same math, since the backward depends on the
+forward only through ``out`` and ``lse``.
 
 Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
 rows the NaN (and +inf log-sum-exp) the float64 reference gives.
@@ -300,36 +303,37 @@ def _inputs_finite(spec: AttentionSpec) -> bool:
                                                                             spec.v))
 
 
-def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
-    """The native forward (the next executor's for non-finite inputs)."""
-    if not _inputs_finite(spec):
-        mod, p = plan.next()
-        return mod.forward(spec, p)
+def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
+    """The kernel's terms for ``spec`` (None: a mask structure the kernel cannot take after
+    all, such as ids for another batch size)."""
     lo, hi, ip = bounds(spec)
     if spec.mask_mod is not None or spec.block_mask is not None:
         r = mask_intervals(spec)
-        if r is None:  # (ids or lengths for another batch size: the next executor's)
-            mod, p = plan.next()
-            return mod.forward(spec, p)
+        if r is None:
+            return None
         lo, hi = torch.maximum(lo, r[0]), torch.minimum(hi, r[1])
     segments = None
     if spec.segments_q is not None:
         lo, hi, segments = _segments(spec, lo, hi)
     lim = torch.iinfo(torch.int32)
     lo, hi = (x.clamp(lim.min, lim.max) for x in (lo, hi))
-    alibi = None
+    t = native.FlashTerms(lo=lo, hi=hi, segments=segments, softcap=spec.softcap or 0.0,
+                          sinks=spec.sinks)
     if spec.alibi_slopes is not None:
-        alibi = spec.alibi_slopes.reshape(-1, spec.hq)
-    rel, base = None, 0
+        t.alibi, t.ipos = spec.alibi_slopes.reshape(-1, spec.hq), ip
     table = _table_of(spec)
     if table is not None:
-        rel, base = _rel_table(spec, table)
-    res = native.flash_forward(
-        spec.q, spec.k, spec.v, spec.scale, lo, hi, segments=segments,
-        softcap=spec.softcap or 0.0, alibi=alibi, ipos=ip if alibi is not None else None,
-        rel=rel, rel_base=base, sinks=spec.sinks)
-    if res is None:  # (extra_reasons refused an unavailable kernel before this)
-        raise NotImplementedError("flash: the native flash kernel is unavailable")
+        t.rel, t.rel_base = _rel_table(spec, table)
+    return t
+
+
+def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
+    """The native forward (the next executor's for non-finite inputs)."""
+    t = terms(spec) if _inputs_finite(spec) else None
+    res = None if t is None else native.flash_forward(spec.q, spec.k, spec.v, spec.scale, t)
+    if res is None:  # (non-finite inputs; or a kernel that went away after selection)
+        mod, p = plan.next()
+        return mod.forward(spec, p)
     out, lse = res
     cd = spec.compute_dtype
     mx = torch.full((), float("nan"), dtype=cd).expand(lse.shape)
@@ -338,6 +342,25 @@ def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
 
 def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> Grads:
-    """The next executor's backward, from this forward's ``out`` and ``lse``."""
+    """The native backward; the next executor's (from this forward's ``out`` and ``lse``)
+    for a relative table that needs its own gradient and for non-finite inputs."""
+    t = None
+    if not spec.score_mod_params and _inputs_finite(spec):
+        t = terms(spec)
+    if t is not None:
+        delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.to(torch.float32)
+        res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, lse, delta)
+        if res is not None:
+            dq, dk, dv = res
+            dsinks = None
+            if spec.sinks is not None:
+                p_sink = torch.exp(spec.sinks.detach().to(torch.float32).view(1, -1, 1)
+                                   - lse.to(torch.float32))
+                dsinks = -(p_sink * delta).sum((0, 2))
+            cd = spec.compute_dtype
+            return Grads(dq=dq.to(cd), dk=dk.to(cd), dv=dv.to(cd), dbias=None, dsinks=dsinks,
+                         dparams=())
     mod, p = plan.next()
     return mod.backward(spec, p, out, lse, dout, dlse)

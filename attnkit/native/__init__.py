@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -57,7 +58,8 @@ from torch import Tensor
 
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
-           "softcap_backward", "alibi_tile", "flash_forward", "FLASH_BLOCK", "pool_stats",
+           "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
+           "FLASH_BLOCK", "pool_stats",
            "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
@@ -267,6 +269,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["flash"] = bool(lib.attnkit_flash_available())
         lib.attnkit_flash_forward.argtypes = [p]
         lib.attnkit_flash_forward.restype = i32
+        lib.attnkit_flash_backward.argtypes = [p, p]
+        lib.attnkit_flash_backward.restype = i32
+        lib.attnkit_flash_workspace.argtypes = [i32]
+        lib.attnkit_flash_workspace.restype = i64
         if lib.attnkit_flash_args_size() != ctypes.sizeof(_FlashArgs):
             return None, (f"{path}: the flash kernel's argument block has "
                           f"{lib.attnkit_flash_args_size()} bytes, expected "
@@ -728,7 +734,14 @@ class _FlashArgs(ctypes.Structure):
                 ("qseg_bstride", _I64), ("kseg_bstride", _I64), ("softcap", _F32),
                 ("alibi", _P), ("alibi_bstride", _I64), ("ipos", _P), ("ipos_bstride", _I64),
                 ("rel", _P), ("rel_hstride", _I64), ("rel_base", _I64), ("sinks", _P),
-                ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("threads", _I32)]
+                ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("ws", _P),
+                ("threads", _I32)]
+
+
+class _FlashGrads(ctypes.Structure):
+    """ak_flash_grads in flash.c."""
+
+    _fields_ = [("dout", _P), ("lse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P)]
 
 
 def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Optional[Tensor], int]:
@@ -742,45 +755,123 @@ def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Opti
     return x, (length if x.shape[0] == n and n > 1 else 0)
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor, hi: Tensor, *,
-                  segments: Optional[Tuple[Tensor, Tensor]] = None, softcap: float = 0.0,
-                  alibi: Optional[Tensor] = None, ipos: Optional[Tensor] = None,
-                  rel: Optional[Tensor] = None, rel_base: int = 0,
-                  sinks: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
-    """FlashAttention forward in float32 arithmetic with the terms evaluated in registers
-    (``flash.c``): returns ``out (N, Hq, Lq, Dv)`` and the natural-log ``lse (N, Hq, Lq)``,
-    float32, or None when the kernel is unavailable (no compiler, or a CPU without AVX-512).
+@dataclass
+class FlashTerms:
+    """What the flash kernel evaluates besides ``q k^T``, for :func:`flash_forward` and
+    :func:`flash_backward`.
 
-    ``q (N, Hq, Lq, D)``, ``k (N, Hkv, Lk, D)``, ``v (N, Hkv, Lk, Dv)``: one dtype of float32,
-    bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
-    Hq a multiple of Hkv. Row ``i`` of batch row ``b`` sees keys ``lo[b, i] <= j < hi[b, i]``
-    (``lo``/``hi`` are ``(N|1, Lq)``) and, with ``segments = (ids_q (N|1, Lq), ids_kv (N|1,
-    Lk + FLASH_BLOCK))``, only keys of its own segment. Score terms: ``softcap`` (> 0: ``cap *
-    tanh(s / cap)``), ALiBi ``alibi (N|1, Hq)`` slopes with ``ipos (N|1, Lq)`` the aligned row
-    positions (``-slope * |ipos - j|``), a relative table ``rel (Hq|1, T)`` read at ``j - i +
-    rel_base`` (every visited key block must index inside it: ``T >= rel_base + nkb *
-    FLASH_BLOCK`` and ``rel_base >= Lq - 1``), ``sinks (Hq,)`` one extra logit per head. A row
-    that sees no key (and has no sink) gets out 0 and lse -inf."""
-    lib = _lib()
-    if lib is None or not _state["info"].get("flash"):
-        return None
+    Row ``i`` of batch row ``b`` sees keys ``lo[b, i] <= j < hi[b, i]`` (``lo``/``hi`` are
+    ``(N|1, Lq)``) and, with ``segments = (ids_q (N|1, Lq), ids_kv (N|1, Lk + FLASH_BLOCK))``,
+    only keys of its own segment. Score terms: ``softcap`` (> 0: ``cap * tanh(s / cap)``),
+    ALiBi ``alibi (N|1, Hq)`` slopes with ``ipos (N|1, Lq)`` the aligned row positions
+    (``-slope * |ipos - j|``), a relative table ``rel (Hq|1, T)`` read at ``j - i + rel_base``
+    (every visited key block must index inside it: ``T >= rel_base + nkb * FLASH_BLOCK`` and
+    ``rel_base >= Lq - 1``), ``sinks (Hq,)`` one extra logit per head (forward only: its
+    gradient is the caller's)."""
+
+    lo: Tensor
+    hi: Tensor
+    segments: Optional[Tuple[Tensor, Tensor]] = None
+    softcap: float = 0.0
+    alibi: Optional[Tensor] = None
+    ipos: Optional[Tensor] = None
+    rel: Optional[Tensor] = None
+    rel_base: int = 0
+    sinks: Optional[Tensor] = None
+
+
+def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, backward: bool
+                ) -> Tuple[_FlashArgs, List[Any]]:
+    """The kernel's argument block for these inputs and terms (validated), and the tensors it
+    points into (kept alive by the caller until the call returns)."""
     n, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     dtype = _DTYPES.get(q.dtype)
     if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"flash_forward: q, k and v must share one dtype of float32, bfloat16 "
+        raise TypeError(f"flash: q, k and v must share one dtype of float32, bfloat16 "
                         f"or float16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (k.shape[0] != n or v.shape[:3] != k.shape[:3] or k.shape[3] != d or hkv == 0
-            or hq % hkv):
-        raise ValueError(f"flash_forward: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[0] != n
+            or v.shape[:3] != k.shape[:3] or k.shape[3] != d or hkv == 0 or hq % hkv):
+        raise ValueError(f"flash: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                          f"{tuple(v.shape)} do not fit (N, Hq, Lq, D), (N, Hkv, Lk, D), "
                          f"(N, Hkv, Lk, Dv) with Hq a multiple of Hkv")
     if d % 16 or dv % 16 or not 0 < max(d, dv) <= _FLASH_MAX_DIM or min(d, dv) <= 0:
-        raise ValueError(f"flash_forward: head dims must be multiples of 16 up to "
+        raise ValueError(f"flash: head dims must be multiples of 16 up to "
                          f"{_FLASH_MAX_DIM}; got D={d}, Dv={dv}")
     if any(x.device.type != "cpu" for x in (q, k, v)):
-        raise ValueError("flash_forward runs on CPU tensors")
+        raise ValueError("flash runs on CPU tensors")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    threads = max(1, min(torch.get_num_threads(), 64))
+    nkb = -(-lk // FLASH_BLOCK)
+    lo32, lo_bs = _rows_i32(t.lo, n, lq, "lo")
+    hi32, _ = _rows_i32(t.hi, n, lq, "hi")
+    if lo32.shape[0] != hi32.shape[0]:  # (one batch stride for both)
+        lo32, hi32 = (x.expand(n, lq).contiguous() for x in (lo32, hi32))
+        lo_bs = lq
+    ws = torch.empty(threads * _lib().attnkit_flash_workspace(int(backward)),
+                     dtype=torch.float32)
+    keep: List[Any] = [q, k, v, lo32, hi32, ws]
+    a = _FlashArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dtype=dtype, N=n, Hq=hq,
+                   Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
+                   hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(t.softcap),
+                   ws=ws.data_ptr(), threads=threads)
+    for name, x in (("qs", q), ("ks", k), ("vs", v)):
+        getattr(a, name)[:] = [x.stride(0), x.stride(1), x.stride(2)]
+    if t.segments is not None:
+        sq, sq_bs = _rows_i32(t.segments[0], n, lq, "segments[0]")
+        sk, sk_bs = _rows_i32(t.segments[1], n, lk + FLASH_BLOCK, "segments[1]")
+        a.qseg, a.kseg = sq.data_ptr(), sk.data_ptr()
+        a.qseg_bstride, a.kseg_bstride = sq_bs, sk_bs
+        keep += [sq, sk]
+    if t.alibi is not None:
+        if t.ipos is None:
+            raise ValueError("flash: alibi needs ipos, the aligned row positions")
+        if t.alibi.dim() != 2 or t.alibi.shape[0] not in (1, n) or t.alibi.shape[1] != hq:
+            raise ValueError(f"flash: alibi must be (N or 1, {hq}); got "
+                             f"{tuple(t.alibi.shape)}")
+        sl = (t.alibi.detach().to(torch.float32) * _LOG2E).contiguous()
+        ip, ip_bs = _rows_i32(t.ipos, n, lq, "ipos")
+        a.alibi, a.alibi_bstride = sl.data_ptr(), (hq if sl.shape[0] == n and n > 1 else 0)
+        a.ipos, a.ipos_bstride = ip.data_ptr(), ip_bs
+        keep += [sl, ip]
+    if t.rel is not None:
+        rel, base = t.rel, t.rel_base
+        if (rel.dim() != 2 or rel.shape[0] not in (1, hq) or base < lq - 1
+                or rel.shape[1] < base + nkb * FLASH_BLOCK):
+            raise ValueError(f"flash: rel must be (Hq or 1, >= rel_base + "
+                             f"{nkb * FLASH_BLOCK}) with rel_base >= Lq - 1 = {lq - 1}; got "
+                             f"{tuple(rel.shape)}, rel_base={base}")
+        rt = (rel.detach().to(torch.float32) * _LOG2E).contiguous()
+        a.rel, a.rel_hstride = rt.data_ptr(), (rt.shape[1] if rt.shape[0] > 1 else 0)
+        a.rel_base = base
+        keep.append(rt)
+    if t.sinks is not None and not backward:
+        sk_t = t.sinks.detach().to(torch.float32).reshape(-1).contiguous()
+        if sk_t.numel() != hq:
+            raise ValueError(f"flash: sinks must have {hq} entries; got {sk_t.numel()}")
+        a.sinks = sk_t.data_ptr()
+        keep.append(sk_t)
+    return a, keep
+
+
+def _flash_ready() -> bool:
+    return _lib() is not None and bool(_state["info"].get("flash"))
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms
+                  ) -> Optional[Tuple[Tensor, Tensor]]:
+    """FlashAttention forward in float32 arithmetic with ``terms`` (:class:`FlashTerms`)
+    evaluated in registers (``flash.c``): returns ``out (N, Hq, Lq, Dv)`` and the natural-log
+    ``lse (N, Hq, Lq)``, float32, or None when the kernel is unavailable (no compiler, or a
+    CPU without AVX-512).
+
+    ``q (N, Hq, Lq, D)``, ``k (N, Hkv, Lk, D)``, ``v (N, Hkv, Lk, Dv)``: one dtype of float32,
+    bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
+    Hq a multiple of Hkv. A row that sees no key (and has no sink) gets out 0 and lse -inf."""
+    if not _flash_ready():
+        return None
+    a, keep = _flash_args(q, k, v, scale, terms, backward=False)
+    n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
     out = torch.empty(n, hq, lq, dv, dtype=torch.float32)
     lse = torch.empty(n, hq, lq, dtype=torch.float32)
     if n * hq * lq == 0:
@@ -788,60 +879,48 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor, hi:
     if lk == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     nkb = -(-lk // FLASH_BLOCK)
-    kt = torch.empty(n * hkv * nkb * d * FLASH_BLOCK, dtype=torch.float32)
-    vf = None if v.dtype == torch.float32 else torch.empty(n * hkv * lk * dv,
+    kt = torch.empty(n * a.Hkv * nkb * d * FLASH_BLOCK, dtype=torch.float32)
+    vf = None if v.dtype == torch.float32 else torch.empty(n * a.Hkv * lk * dv,
                                                            dtype=torch.float32)
-    lo32, lo_bs = _rows_i32(lo, n, lq, "lo")
-    hi32, _ = _rows_i32(hi, n, lq, "hi")
-    if lo32.shape[0] != hi32.shape[0]:  # (one batch stride for both)
-        lo32, hi32 = (x.expand(n, lq).contiguous() for x in (lo32, hi32))
-        lo_bs = lq
-    keep: List[Any] = [q, k, v, out, lse, kt, vf, lo32, hi32]
-    a = _FlashArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dtype=dtype, N=n, Hq=hq,
-                   Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
-                   hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(softcap),
-                   kt=kt.data_ptr(), vf=0 if vf is None else vf.data_ptr(),
-                   out=out.data_ptr(), lse=lse.data_ptr(), threads=torch.get_num_threads())
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        getattr(a, name[0] + "s")[:] = [x.stride(0), x.stride(1), x.stride(2)]
-    if segments is not None:
-        sq, sq_bs = _rows_i32(segments[0], n, lq, "segments[0]")
-        sk, sk_bs = _rows_i32(segments[1], n, lk + FLASH_BLOCK, "segments[1]")
-        a.qseg, a.kseg = sq.data_ptr(), sk.data_ptr()
-        a.qseg_bstride, a.kseg_bstride = sq_bs, sk_bs
-        keep += [sq, sk]
-    if alibi is not None:
-        if ipos is None:
-            raise ValueError("flash_forward: alibi needs ipos, the aligned row positions")
-        if alibi.dim() != 2 or alibi.shape[0] not in (1, n) or alibi.shape[1] != hq:
-            raise ValueError(f"flash_forward: alibi must be (N or 1, {hq}); got "
-                             f"{tuple(alibi.shape)}")
-        sl = (alibi.detach().to(torch.float32) * _LOG2E).contiguous()
-        ip, ip_bs = _rows_i32(ipos, n, lq, "ipos")
-        a.alibi, a.alibi_bstride = sl.data_ptr(), (hq if sl.shape[0] == n and n > 1 else 0)
-        a.ipos, a.ipos_bstride = ip.data_ptr(), ip_bs
-        keep += [sl, ip]
-    if rel is not None:
-        if (rel.dim() != 2 or rel.shape[0] not in (1, hq) or rel_base < lq - 1
-                or rel.shape[1] < rel_base + nkb * FLASH_BLOCK):
-            raise ValueError(f"flash_forward: rel must be (Hq or 1, >= rel_base + "
-                             f"{nkb * FLASH_BLOCK}) with rel_base >= Lq - 1 = {lq - 1}; got "
-                             f"{tuple(rel.shape)}, rel_base={rel_base}")
-        rt = (rel.detach().to(torch.float32) * _LOG2E).contiguous()
-        a.rel, a.rel_hstride, a.rel_base = rt.data_ptr(), (rt.shape[1] if rt.shape[0] > 1
-                                                           else 0), rel_base
-        keep.append(rt)
-    if sinks is not None:
-        sk_t = sinks.detach().to(torch.float32).reshape(-1).contiguous()
-        if sk_t.numel() != hq:
-            raise ValueError(f"flash_forward: sinks must have {hq} entries; got {sk_t.numel()}")
-        a.sinks = sk_t.data_ptr()
-        keep.append(sk_t)
-    rc = lib.attnkit_flash_forward(ctypes.byref(a))
+    a.kt, a.vf = kt.data_ptr(), (None if vf is None else vf.data_ptr())
+    a.out, a.lse = out.data_ptr(), lse.data_ptr()
+    rc = _lib().attnkit_flash_forward(ctypes.byref(a))
+    del keep, kt, vf
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
-    del keep
     return out, lse
+
+
+def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
+                   dout: Tensor, lse: Tensor, delta: Tensor
+                   ) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+    """The gradients ``dq, dk, dv`` (float32, shaped as q, k, v) of :func:`flash_forward`'s
+    output for ``dout (N, Hq, Lq, Dv)``, from the forward's ``lse (N, Hq, Lq)`` and ``delta =
+    rowsum(dout * out) - dlse``; the scores' softcap, ALiBi and relative terms as in the
+    forward (a sink's own gradient is the caller's: ``-sum exp(sink - lse) * delta``). None
+    when the kernel is unavailable."""
+    if not _flash_ready():
+        return None
+    a, keep = _flash_args(q, k, v, scale, terms, backward=True)
+    n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
+    shape = (n, hq, lq)
+    if tuple(dout.shape) != (*shape, dv) or tuple(lse.shape) != shape or (
+            tuple(delta.shape) != shape):
+        raise ValueError(f"flash_backward: dout must be {(*shape, dv)}, lse and delta {shape}; "
+                         f"got {tuple(dout.shape)}, {tuple(lse.shape)}, {tuple(delta.shape)}")
+    dq = torch.zeros(a.threads, n, hq, lq, d, dtype=torch.float32)
+    dk = torch.zeros(n, a.Hkv, lk, d, dtype=torch.float32)
+    dvv = torch.zeros(n, a.Hkv, lk, dv, dtype=torch.float32)
+    if n * hq * lq == 0 or lk == 0:
+        return dq.sum(0), dk, dvv
+    do32, lse32, dl32 = (x.detach().to(torch.float32).contiguous() for x in (dout, lse, delta))
+    g = _FlashGrads(dout=do32.data_ptr(), lse=lse32.data_ptr(), delta=dl32.data_ptr(),
+                    dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr())
+    rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
+    del keep
+    if rc != 0:
+        raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
+    return (dq[0] if a.threads == 1 else dq.sum(0)), dk, dvv
 
 
 _LOG2E = 1.4426950408889634

@@ -60,8 +60,13 @@ typedef struct {
     float *kt;  /* scratch: N * Hkv * nkb * d * AK_FN floats */
     float *vf;  /* scratch: N * Hkv * Lk * dv floats when v is not float32, else NULL */
     float *out, *lse;
+    float *ws; /* workspace: `threads` x attnkit_flash_workspace(backward) floats */
     int32_t threads;
 } ak_flash_args;
+
+/* floats of workspace one worker needs (forward: 0, backward: 1) */
+#define AK_WS_FWD (2 * AK_FM * AK_FD + AK_FR * AK_FN)
+#define AK_WS_BWD (5 * AK_FN * AK_FD + 3 * AK_FM * AK_FD + 3 * AK_FM * AK_FN)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -220,7 +225,7 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
 }
 
 static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
-                        int64_t i1) {
+                        int64_t i1, int worker) {
     const int64_t d = a->d, dv = a->dv, Lk = a->Lk;
     const int64_t hk = h / (a->Hq / a->Hkv);
     const int64_t nrows = i1 - i0;
@@ -229,9 +234,8 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     static const float LOG2E = 1.4426950408889634f;
     const int capped = a->softcap > 0.0f;
     const float qmul = capped ? a->scale : a->scale * LOG2E;
-    float qbuf[AK_FM * AK_FD] __attribute__((aligned(64)));
-    float obuf[AK_FM * AK_FD] __attribute__((aligned(64)));
-    float pbuf[AK_FR * AK_FN] __attribute__((aligned(64)));
+    float *qbuf = a->ws + (int64_t)worker * AK_WS_FWD;
+    float *obuf = qbuf + AK_FM * AK_FD, *pbuf = obuf + AK_FM * AK_FD;
     float m[AK_FM], l[AK_FM];
     int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM];
     float ipf[AK_FM];
@@ -355,7 +359,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 for (int u = 0; u < 4; u++) {
                     const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], mb));
                     sum = _mm512_add_ps(sum, p);
-                    _mm512_store_ps(pbuf + r * AK_FN + 16 * u, p);
+                    _mm512_storeu_ps(pbuf + r * AK_FN + 16 * u, p);
                 }
                 l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
             }
@@ -382,7 +386,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
 }
 
 static void ak_fwd_worker(void *vctx, int w, int nw) {
-    (void)w, (void)nw;
+    (void)nw;
     ak_fwd_ctx *ctx = vctx;
     const ak_flash_args *a = ctx->a;
     const int64_t nqb = ctx->nqb, total = a->N * a->Hq * nqb;
@@ -391,7 +395,7 @@ static void ak_fwd_worker(void *vctx, int w, int nw) {
         /* the last query blocks first: under a causal mask they hold the most work */
         const int64_t qb = nqb - 1 - t0 % nqb, nh = t0 / nqb;
         const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < a->Lq ? i0 + AK_FM : a->Lq;
-        ak_fwd_item(a, ctx->nkb, nh / a->Hq, nh % a->Hq, i0, i1);
+        ak_fwd_item(a, ctx->nkb, nh / a->Hq, nh % a->Hq, i0, i1, w);
     }
 }
 
@@ -399,6 +403,7 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
         return -1;
     if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
+    if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (a->dtype == 0 && a->vf == NULL && a->vs[2] < a->dv) return -3;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
@@ -409,6 +414,280 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     return 0;
 }
 
+
+/* ---- the backward ----------------------------------------------------------------------- */
+
+/* FlashAttention-2's backward, one work item per (batch, kv head, key block): the item keeps
+ * its block's dK and dV in L1 and walks the query heads of its group and the query blocks
+ * that see the block; per (query block, key block) tile it recomputes P = exp(S - lse) in
+ * registers, dP = dO V^T, dS = P (dP - D), and adds dV += P^T dO, dK += dS^T Q and
+ * dQ += dS K, the last into a dQ buffer of the worker's own (summed by the caller), so no two
+ * threads write one float. */
+
+typedef struct {
+    const float *dout; /* (N, Hq, Lq, dv) float32 contiguous */
+    const float *lse;  /* (N, Hq, Lq) natural log; -inf rows see nothing */
+    const float *delta; /* (N, Hq, Lq): rowsum(dO * O) minus the lse gradient */
+    float *dq;  /* workers x (N, Hq, Lq, d), zeroed by the caller */
+    float *dk;  /* (N, Hkv, Lk, d) */
+    float *dv;  /* (N, Hkv, Lk, dv) */
+} ak_flash_grads;
+
+typedef struct {
+    const ak_flash_args *a;
+    const ak_flash_grads *g;
+    int64_t nkb, nqb, next;
+} ak_bwd_ctx;
+
+/* acc[64 keys][cols] += X^T Y over R rows: X (R x AK_FN, stride AK_FN), Y (R x cols) */
+static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *y, int64_t R,
+                         int64_t nk) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+        int64_t c0 = 0;
+        for (; c0 + 64 <= cols; c0 += 64) {
+            __m512 t[4][4];
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 4; u++)
+                    t[jj][u] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0 + 16 * u);
+            for (int64_t r = 0; r < R; r++) {
+                const float *yr = y + r * cols + c0;
+                const __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16);
+                const __m512 y2 = _mm512_loadu_ps(yr + 32), y3 = _mm512_loadu_ps(yr + 48);
+                for (int jj = 0; jj < 4; jj++) {
+                    const __m512 xb = _mm512_set1_ps(x[r * AK_FN + j0 + jj]);
+                    t[jj][0] = _mm512_fmadd_ps(xb, y0, t[jj][0]);
+                    t[jj][1] = _mm512_fmadd_ps(xb, y1, t[jj][1]);
+                    t[jj][2] = _mm512_fmadd_ps(xb, y2, t[jj][2]);
+                    t[jj][3] = _mm512_fmadd_ps(xb, y3, t[jj][3]);
+                }
+            }
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 4; u++)
+                    _mm512_storeu_ps(acc + (j0 + jj) * cols + c0 + 16 * u, t[jj][u]);
+        }
+        for (; c0 < cols; c0 += 16) {
+            __m512 t[4];
+            for (int jj = 0; jj < 4; jj++) t[jj] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0);
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 yv = _mm512_loadu_ps(y + r * cols + c0);
+                for (int jj = 0; jj < 4; jj++)
+                    t[jj] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * AK_FN + j0 + jj]), yv, t[jj]);
+            }
+            for (int jj = 0; jj < 4; jj++) _mm512_storeu_ps(acc + (j0 + jj) * cols + c0, t[jj]);
+        }
+    }
+}
+
+static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
+                        int64_t n, int64_t hk, int64_t kb, int worker) {
+    const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
+    static const float LOG2E = 1.4426950408889634f;
+    const int capped = a->softcap > 0.0f;
+    const float qmul = capped ? a->scale : a->scale * LOG2E;
+    const size_t esz = a->dtype == 0 ? 4 : 2;
+    const int32_t j0 = (int32_t)(kb * AK_FN);
+    const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
+    float *kt = a->ws + (int64_t)worker * AK_WS_BWD; /* K^T block */
+    float *vt = kt + AK_FD * AK_FN;                   /* V^T block */
+    float *kn = vt + AK_FD * AK_FN;                   /* K rows, float32 */
+    float *dkb = kn + AK_FN * AK_FD, *dvb = dkb + AK_FN * AK_FD;
+    float *qbuf = dvb + AK_FN * AK_FD, *dobuf = qbuf + AK_FM * AK_FD;
+    float *dqt = dobuf + AK_FM * AK_FD;
+    float *pb = dqt + AK_FM * AK_FD, *dsb = pb + AK_FM * AK_FN;
+    float *capd = dsb + AK_FM * AK_FN; /* 1 - tanh^2 with softcap */
+    int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM];
+    float ipf[AK_FM], lsel[AK_FM], dl[AK_FM];
+    const char *kbase = (const char *)a->k + (n * a->ks[0] + hk * a->ks[1]) * esz;
+    const char *vbase = (const char *)a->v + (n * a->vs[0] + hk * a->vs[1]) * esz;
+    for (int64_t jj = 0; jj < AK_FN; jj++) {
+        for (int64_t c = 0; c < d; c += 16) {
+            __m512 x = _mm512_setzero_ps();
+            if (jj < nk) x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c);
+            _mm512_storeu_ps(kn + jj * d + c, x);
+        }
+        for (int64_t c = 0; c < dv; c += 16) {
+            __m512 x = _mm512_setzero_ps();
+            if (jj < nk) x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz, a->dtype, c);
+            _mm512_storeu_ps(dvb + jj * dv + c, x); /* (dvb as a staging row buffer) */
+        }
+    }
+    for (int64_t c = 0; c < d; c++)
+        for (int64_t jj = 0; jj < AK_FN; jj++) kt[c * AK_FN + jj] = kn[jj * d + c];
+    for (int64_t c = 0; c < dv; c++)
+        for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = dvb[jj * dv + c];
+    memset(dkb, 0, sizeof(float) * AK_FN * d);
+    memset(dvb, 0, sizeof(float) * AK_FN * dv);
+    const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const int64_t bb = n * a->bounds_bstride;
+    int kfull_seg = 1; /* every key of the block in one segment (then rows of it see it whole) */
+    if (kseg != NULL)
+        for (int64_t jj = 1; jj < AK_FN; jj++) kfull_seg &= kseg[j0 + jj] == kseg[j0];
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = hk * G + g;
+        const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
+        const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
+        const int64_t nh = n * a->Hq + h;
+        float *dqw = gr->dq + ((int64_t)worker * a->N * a->Hq + nh) * Lq * d;
+        for (int64_t qb = 0; qb < nqb; qb++) {
+            const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < Lq ? i0 + AK_FM : Lq;
+            const int64_t nrows = i1 - i0, groups = (nrows + AK_FR - 1) / AK_FR;
+            const int64_t padded = groups * AK_FR;
+            int anyb = 0;
+            for (int64_t r = 0; r < nrows; r++) {
+                int32_t a0 = a->lo[bb + i0 + r], a1 = a->hi[bb + i0 + r];
+                if (a0 < 0) a0 = 0;
+                if (a1 > Lk) a1 = (int32_t)Lk;
+                lo[r] = a0, hi[r] = a1;
+                anyb |= a0 < a1 && a0 < j0 + nk && a1 > j0;
+            }
+            if (!anyb) continue;
+            const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
+            for (int64_t r = 0; r < padded; r++) {
+                if (r < nrows) {
+                    const int64_t i = i0 + r;
+                    const char *qr = qbase + i * a->qs[2] * esz;
+                    for (int64_t c = 0; c < d; c += 16)
+                        _mm512_storeu_ps(qbuf + r * d + c,
+                                         _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
+                                                       _mm512_set1_ps(qmul)));
+                    memcpy(dobuf + r * dv, gr->dout + (nh * Lq + i) * dv, (size_t)dv * 4);
+                    const float l = gr->lse[nh * Lq + i];
+                    lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
+                    dl[r] = gr->delta[nh * Lq + i];
+                    qsg[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
+                    ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
+                } else {
+                    memset(qbuf + r * d, 0, (size_t)d * 4);
+                    memset(dobuf + r * dv, 0, (size_t)dv * 4);
+                    lo[r] = 0, hi[r] = 0, lsel[r] = INFINITY, dl[r] = 0.0f, qsg[r] = 0;
+                    ipf[r] = 0.0f;
+                }
+            }
+            for (int64_t gi = 0; gi < groups; gi++) {
+                const int64_t r0 = gi * AK_FR;
+                int any = 0, full = 1;
+                for (int r = 0; r < AK_FR; r++) {
+                    const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
+                    any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
+                    full &= a0 <= j0 && a1 >= j0 + AK_FN;
+                }
+                if (!any) {
+                    memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                    memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                    continue;
+                }
+                if (kseg != NULL && full) {
+                    for (int r = 0; r < AK_FR; r++) full &= kfull_seg && qsg[r0 + r] == kseg[j0];
+                }
+                __m512 s[AK_FR][4], dp[AK_FR][4];
+                ak_scores(qbuf + r0 * d, d, kt, s);
+                ak_scores(dobuf + r0 * dv, dv, vt, dp);
+                for (int r = 0; r < AK_FR; r++) {
+                    const int64_t rr = r0 + r;
+                    if (capped) {
+                        const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
+                        const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
+                        for (int u = 0; u < 4; u++) {
+                            const __m512 th = ak_tanh(_mm512_mul_ps(s[r][u], inv));
+                            _mm512_storeu_ps(capd + rr * AK_FN + 16 * u,
+                                            _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
+                            s[r][u] = _mm512_mul_ps(th, cl);
+                        }
+                    }
+                    if (a->alibi) {
+                        const __m512 ip = _mm512_set1_ps(ipf[rr]), sl = _mm512_set1_ps(slope);
+                        for (int u = 0; u < 4; u++) {
+                            const __m512 jf = _mm512_cvtepi32_ps(
+                                _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
+                            s[r][u] = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)),
+                                                       s[r][u]);
+                        }
+                    }
+                    if (rel != NULL) {
+                        const float *tr = rel + j0 - rr;
+                        for (int u = 0; u < 4; u++)
+                            s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
+                    }
+                    if (!full) {
+                        const __m512i a0 = _mm512_set1_epi32(lo[rr]);
+                        const __m512i a1 = _mm512_set1_epi32(hi[rr]);
+                        for (int u = 0; u < 4; u++) {
+                            const __m512i j = _mm512_add_epi32(iota,
+                                                               _mm512_set1_epi32(j0 + 16 * u));
+                            __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
+                                            _mm512_cmplt_epi32_mask(j, a1);
+                            if (kseg != NULL)
+                                vis &= _mm512_cmpeq_epi32_mask(
+                                    _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
+                                    _mm512_set1_epi32(qsg[rr]));
+                            s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
+                        }
+                    }
+                    const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
+                    for (int u = 0; u < 4; u++) {
+                        const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
+                        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r][u], db));
+                        if (capped)
+                            ds = _mm512_mul_ps(ds, _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
+                        _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
+                        _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                    }
+                }
+            }
+            ak_tn(dvb, dv, pb, dobuf, padded, nk);
+            ak_tn(dkb, d, dsb, qbuf, padded, nk);
+            memset(dqt, 0, sizeof(float) * padded * d);
+            const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
+            for (int64_t gi = 0; gi < groups; gi++)
+                ak_pv(dqt + gi * AK_FR * d, d, ones, dsb + gi * AK_FR * AK_FN, kn, d, nk);
+            const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
+            for (int64_t r = 0; r < nrows; r++) {
+                float *dst = dqw + (i0 + r) * d;
+                for (int64_t c = 0; c < d; c += 16)
+                    _mm512_storeu_ps(dst + c, _mm512_fmadd_ps(_mm512_loadu_ps(dqt + r * d + c),
+                                                              sc, _mm512_loadu_ps(dst + c)));
+            }
+        }
+    }
+    /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul); dV as accumulated */
+    const __m512 kf = _mm512_set1_ps(a->scale / qmul);
+    float *dk = gr->dk + ((n * a->Hkv + hk) * Lk + j0) * d;
+    float *dvo = gr->dv + ((n * a->Hkv + hk) * Lk + j0) * dv;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        for (int64_t c = 0; c < d; c += 16)
+            _mm512_storeu_ps(dk + jj * d + c, _mm512_mul_ps(_mm512_loadu_ps(dkb + jj * d + c),
+                                                            kf));
+        memcpy(dvo + jj * dv, dvb + jj * dv, (size_t)dv * 4);
+    }
+}
+
+static void ak_bwd_worker(void *vctx, int w, int nw) {
+    (void)nw;
+    ak_bwd_ctx *ctx = vctx;
+    const ak_flash_args *a = ctx->a;
+    const int64_t nkb = ctx->nkb, total = a->N * a->Hkv * nkb;
+    int64_t t0, t1;
+    while (ak_next_block(&ctx->next, 1, total, &t0, &t1)) {
+        const int64_t kb = t0 % nkb, nh = t0 / nkb;
+        ak_bwd_item(a, ctx->g, ctx->nqb, nh / a->Hkv, nh % a->Hkv, kb, w);
+    }
+}
+
+/* The gradients; dq holds `a->threads` buffers (zeroed), each a part of dQ: their sum is
+ * dQ. Returns 0, or < 0 for arguments it does not run. */
+int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
+    if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
+        return -1;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
+    if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
+    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
+    ak_bwd_ctx bc = {a, g, (a->Lk + AK_FN - 1) / AK_FN, (a->Lq + AK_FM - 1) / AK_FM, 0};
+    ak_pool_run(ak_bwd_worker, &bc, a->threads);
+    return 0;
+}
+
 #else /* no AVX-512: the executor refuses before calling */
 
 int attnkit_flash_forward(const ak_flash_args *a) {
@@ -416,9 +695,16 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     return -9;
 }
 
+typedef struct ak_flash_grads ak_flash_grads;
+int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
+    (void)a, (void)g;
+    return -9;
+}
+
 #endif
 
 int attnkit_flash_block(void) { return AK_FN; }
+int64_t attnkit_flash_workspace(int backward) { return backward ? AK_WS_BWD : AK_WS_FWD; }
 int attnkit_flash_available(void) {
 #if defined(__AVX512F__)
     return 1;
