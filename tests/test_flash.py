@@ -193,7 +193,7 @@ def test_backward_matches_the_oracle(name, shape, with_lse):
         assert (a.double() - b).abs().max().item() < 3e-6 * scale * 10, (name, name_)
 
 
-def test_both_passes_are_native_and_a_learnable_table_takes_the_tiled_backward(monkeypatch):
+def test_both_passes_are_native_and_a_learnable_table_gets_its_gradient(monkeypatch):
     fwd = spy(monkeypatch, fused, "FWD_OP")
     bwd = spy(monkeypatch, fused, "BWD_OP")
     tiled_bwd = spy(monkeypatch, tiled, "backward")
@@ -203,15 +203,64 @@ def test_both_passes_are_native_and_a_learnable_table_takes_the_tiled_backward(m
     for kw in (dict(causal=True), dict(softcap=2.0), _kw("relbias")):
         attnkit.attention(q, k, v, **kw).sum().backward()
     assert kernel and kernel_bwd and not fwd and not bwd and not tiled_bwd
-    table = torch.randn(4, 59, requires_grad=True)
-    out = attnkit.attention(q, k, v, score_mod=score_mods.relative_bias(table), causal=True)
-    kernel_bwd.clear()
-    (dt,) = torch.autograd.grad(out.sum(), table)
-    assert tiled_bwd and not kernel_bwd
-    want = torch.autograd.grad(ref(q.double(), k.double(), v.double(), causal=True,
-                                   score_mod=score_mods.relative_bias(table.double())).sum(),
-                               table)[0]
-    assert torch.allclose(dt.double(), want.double(), atol=1e-4)
+    for shape, kw in (((4, 59), dict(causal=True)), ((59,), dict(softcap=3.0)),
+                      ((4, 401), dict(window=(30, 30)))):
+        table = torch.randn(*shape, requires_grad=True)
+        out = attnkit.attention(q, k, v, score_mod=score_mods.relative_bias(table), **kw)
+        kernel_bwd.clear()
+        got = torch.autograd.grad(out.sum(), (q, table))
+        assert kernel_bwd and not tiled_bwd
+        qd, td = q.detach().double().requires_grad_(), table.detach().double().requires_grad_()
+        r = ref(qd, k.double(), v.double(), score_mod=score_mods.relative_bias(td), **kw)
+        want = torch.autograd.grad(r.sum(), (qd, td))
+        for a, b in zip(got, want):
+            assert (a.double() - b).abs().max().item() < 1e-4, shape
+
+
+def test_other_learnable_tensors_take_the_next_executors_backward(monkeypatch):
+    tiled_bwd = spy(monkeypatch, tiled, "backward")
+    q, k, v = _qkv(grad=True)
+    values = torch.randn(4, requires_grad=True)
+    head = score_mods.head_bias(values)
+    assert backends.select(build_spec(q, k, v, score_mod=head)) is not flash
+    out = attnkit.attention(q, k, v, score_mod=head)
+    (dv,) = torch.autograd.grad(out.sum(), values)
+    assert tiled_bwd and torch.isfinite(dv).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_backward_items_of_several_key_blocks(threads):
+    """Enough (batch, kv head) rows that each backward item takes several key blocks."""
+    q, k, v = _qkv(n=2, hq=8, hkv=4, lq=600, d=32, grad=True)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for kw in (dict(causal=True), dict(window=(100, 20)), dict(softcap=4.0)):
+            out = attnkit.attention(q, k, v, **kw)
+            got = torch.autograd.grad(out.sum(), (q, k, v))
+            qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+            want = torch.autograd.grad(ref(qd, kd, vd, **kw).sum(), (qd, kd, vd))
+            for a, b in zip(got, want):
+                assert (a.double() - b).abs().max().item() < 2e-5, kw
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dot", [True, False])
+def test_bfloat16_dot_products_and_float32_arithmetic_both_keep_the_rule(dot, monkeypatch):
+    """Within 3x the error of the float32 result rounded to bfloat16: stricter than
+    FlashAttention's rule against a naive bfloat16 computation."""
+    monkeypatch.setattr(native, "FLASH_BF16_DOT", dot)
+    for d in (64, 48):  # (48: not a multiple of 32, always float32 arithmetic)
+        q, k, v = _qkv(dtype=torch.bfloat16, lq=257, lk=333, d=d, dv=32)
+        for kw in (dict(), dict(causal=True, diagonal="bottom_right"), dict(window=(40, 0)),
+                   dict(softcap=3.0), dict(alibi_slopes=torch.rand(4))):
+            out = attnkit.attention(q, k, v, **kw)
+            r = ref(q.double(), k.double(), v.double(), **kw)
+            qf, kf, vf = (x.float() for x in (q, k, v))
+            plain = attnkit.attention(qf, kf, vf, backend="tiled", **kw).bfloat16()
+            ok, err, base = fa_tolerance_ok(out, r, plain, mult=3.0)
+            assert ok, (d, kw, err, base)
 
 
 def test_non_finite_inputs_take_the_next_executors_forward():

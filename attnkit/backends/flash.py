@@ -8,12 +8,18 @@ ALiBi, softcap, a relative-position table and sinks are score terms. Nothing of 
 ``Lq x Lk`` is written, and one call is one parallel region (two: the keys are first packed
 into transposed float32 blocks).
 
-The backward is FlashAttention-2's, native as well: per key block (in parallel) it walks the
-query blocks that see it, recomputes the weights from the forward's log-sum-exp, and
-accumulates dK and dV in L1 and dQ in a buffer per worker. A relative table that needs its
-own gradient takes the next executor's backward (the tiled one, which holds dS), called with
-this forward's output and log-sum-exp: the same math, since the backward depends on the
-forward only through ``out`` and ``lse``.
+The backward is FlashAttention-2's, native as well: items of up to four key blocks (in
+parallel) walk the query blocks that see them, recompute the weights from the forward's
+log-sum-exp, and accumulate dK and dV in L1 and dQ in a buffer per worker; a learnable
+relative table's gradient is summed along the diagonals in the same pass. Other learnable
+tensors take the next executor's backward (the tiled one, which holds dS), called with this
+forward's output and log-sum-exp: the same math, since the backward depends on the forward
+only through ``out`` and ``lse``.
+
+bfloat16 inputs (head dim a multiple of 32, a CPU with AVX512-BF16) compute ``q.k`` and
+``P V`` in bfloat16 dot products (float32 sums; P rounded to bfloat16 as torch's bfloat16
+kernels round it), twice float32's multiply-adds an instruction;
+``native.FLASH_BF16_DOT = False`` keeps float32 arithmetic for them.
 
 Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
 rows the NaN (and +inf log-sum-exp) the float64 reference gives.
@@ -161,16 +167,21 @@ def _segments(spec: AttentionSpec, lo: Tensor, hi: Tensor
     return lo, hi, (sq2, torch.cat([sk2, pad], 1))
 
 
-def _rel_table(spec: AttentionSpec, table: Tensor) -> Tuple[Tensor, int]:
-    """The relative table expanded so that ``ext[h, j - i + base]`` is the term for every
-    query row and every key of a visited block (distances clamped as the builtin clamps)."""
+def _rel_index(spec: AttentionSpec, table: Tensor) -> Tuple[Tensor, int]:
+    """Which table entry ``ext[:, j - i + base]`` holds, for every query row and every key of
+    a visited block (distances clamped as the builtin clamps), and ``base``."""
     m = (table.shape[-1] + 1) // 2
     lq, nkb = spec.lq, -(-spec.lk // native.FLASH_BLOCK)
     base = lq - 1
-    dist = torch.arange(-base, nkb * native.FLASH_BLOCK).clamp(-(m - 1), m - 1) + (m - 1)
+    return torch.arange(-base, nkb * native.FLASH_BLOCK).clamp(-(m - 1), m - 1) + (m - 1), base
+
+
+def _rel_table(spec: AttentionSpec, table: Tensor) -> Tuple[Tensor, int]:
+    """The relative table expanded so that ``ext[h, j - i + base]`` is the term."""
+    idx, base = _rel_index(spec, table)
     t = table.detach().to(torch.float32)
     t = t.view(1, -1) if t.dim() == 1 else t
-    return t[:, dist], base
+    return t[:, idx], base
 
 
 #: a row's visible keys as ``[lo, hi)`` from its index ``i (1, Lq)`` and the key count, by
@@ -342,18 +353,28 @@ def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
 
 def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> Grads:
-    """The native backward; the next executor's (from this forward's ``out`` and ``lse``)
-    for a relative table that needs its own gradient and for non-finite inputs."""
+    """The native backward (with a learnable relative table's gradient too); the next
+    executor's (from this forward's ``out`` and ``lse``) for other learnable tensors and for
+    non-finite inputs."""
     t = None
-    if not spec.score_mod_params and _inputs_finite(spec):
+    table = _table_of(spec)
+    table_grad = bool(spec.score_mod_params)
+    if (not table_grad or (table is not None and len(spec.score_mod_params) == 1
+                           and spec.score_mod_params[0] is table)) and _inputs_finite(spec):
         t = terms(spec)
     if t is not None:
         delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
         if dlse is not None:
             delta = delta - dlse.to(torch.float32)
-        res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, lse, delta)
+        res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, lse, delta,
+                                    table_grad=table_grad)
         if res is not None:
-            dq, dk, dv = res
+            dq, dk, dv, drel = res
+            dparams: Tuple[Optional[Tensor], ...] = ()
+            if table_grad:  # each expanded entry back onto the table entry it was read from
+                idx, _ = _rel_index(spec, table)
+                dt = torch.zeros(drel.shape[0], table.shape[-1], dtype=torch.float32)
+                dparams = (dt.index_add_(1, idx, drel).reshape(table.shape),)
             dsinks = None
             if spec.sinks is not None:
                 p_sink = torch.exp(spec.sinks.detach().to(torch.float32).view(1, -1, 1)
@@ -361,6 +382,6 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
                 dsinks = -(p_sink * delta).sum((0, 2))
             cd = spec.compute_dtype
             return Grads(dq=dq.to(cd), dk=dk.to(cd), dv=dv.to(cd), dbias=None, dsinks=dsinks,
-                         dparams=())
+                         dparams=dparams)
     mod, p = plan.next()
     return mod.backward(spec, p, out, lse, dout, dlse)

@@ -267,6 +267,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
         info["h16"] = bool(lib.attnkit_native_has_h16())
         info["flash"] = bool(lib.attnkit_flash_available())
+        info["flash_bf16"] = bool(lib.attnkit_flash_has_bf16dot())
         lib.attnkit_flash_forward.argtypes = [p]
         lib.attnkit_flash_forward.restype = i32
         lib.attnkit_flash_backward.argtypes = [p, p]
@@ -721,6 +722,9 @@ _POOL_STATS = ("threads", "calls", "parallel_runs", "busy_runs", "woken", "calle
 #: relative-position tables must reach this far past the last key
 FLASH_BLOCK = 64
 _FLASH_MAX_DIM = 256  # AK_FD
+#: bfloat16 inputs: q.k and P V in bfloat16 dot products (AVX512-BF16, D a multiple of 32),
+#: P rounded to bfloat16 as torch's bfloat16 kernels round it; False: float32 arithmetic
+FLASH_BF16_DOT = True
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -735,13 +739,14 @@ class _FlashArgs(ctypes.Structure):
                 ("alibi", _P), ("alibi_bstride", _I64), ("ipos", _P), ("ipos_bstride", _I64),
                 ("rel", _P), ("rel_hstride", _I64), ("rel_base", _I64), ("sinks", _P),
                 ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("ws", _P),
-                ("threads", _I32)]
+                ("threads", _I32), ("bf16dot", _I32)]
 
 
 class _FlashGrads(ctypes.Structure):
     """ak_flash_grads in flash.c."""
 
-    _fields_ = [("dout", _P), ("lse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P)]
+    _fields_ = [("dout", _P), ("lse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
+                ("drel", _P), ("drel_wstride", _I64)]
 
 
 def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Optional[Tensor], int]:
@@ -883,6 +888,8 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
     vf = None if v.dtype == torch.float32 else torch.empty(n * a.Hkv * lk * dv,
                                                            dtype=torch.float32)
     a.kt, a.vf = kt.data_ptr(), (None if vf is None else vf.data_ptr())
+    a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and d % 32 == 0
+                    and bool(_state["info"].get("flash_bf16")))
     a.out, a.lse = out.data_ptr(), lse.data_ptr()
     rc = _lib().attnkit_flash_forward(ctypes.byref(a))
     del keep, kt, vf
@@ -892,13 +899,15 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
-                   dout: Tensor, lse: Tensor, delta: Tensor
-                   ) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
+                   dout: Tensor, lse: Tensor, delta: Tensor, table_grad: bool = False
+                   ) -> Optional[Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
     """The gradients ``dq, dk, dv`` (float32, shaped as q, k, v) of :func:`flash_forward`'s
     output for ``dout (N, Hq, Lq, Dv)``, from the forward's ``lse (N, Hq, Lq)`` and ``delta =
     rowsum(dout * out) - dlse``; the scores' softcap, ALiBi and relative terms as in the
-    forward (a sink's own gradient is the caller's: ``-sum exp(sink - lse) * delta``). None
-    when the kernel is unavailable."""
+    forward (a sink's own gradient is the caller's: ``-sum exp(sink - lse) * delta``), and
+    with ``table_grad`` the gradient of the expanded relative table ``terms.rel`` (same
+    shape; its entries' sums over the distances a table entry was clamped to are the table's
+    gradient). None when the kernel is unavailable."""
     if not _flash_ready():
         return None
     a, keep = _flash_args(q, k, v, scale, terms, backward=True)
@@ -908,19 +917,26 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
             tuple(delta.shape) != shape):
         raise ValueError(f"flash_backward: dout must be {(*shape, dv)}, lse and delta {shape}; "
                          f"got {tuple(dout.shape)}, {tuple(lse.shape)}, {tuple(delta.shape)}")
+    if table_grad and terms.rel is None:
+        raise ValueError("flash_backward: table_grad needs terms.rel")
     dq = torch.zeros(a.threads, n, hq, lq, d, dtype=torch.float32)
     dk = torch.zeros(n, a.Hkv, lk, d, dtype=torch.float32)
     dvv = torch.zeros(n, a.Hkv, lk, dv, dtype=torch.float32)
+    drel = (torch.zeros(a.threads, *terms.rel.shape, dtype=torch.float32) if table_grad
+            else None)
     if n * hq * lq == 0 or lk == 0:
-        return dq.sum(0), dk, dvv
+        return dq.sum(0), dk, dvv, (None if drel is None else drel.sum(0))
     do32, lse32, dl32 = (x.detach().to(torch.float32).contiguous() for x in (dout, lse, delta))
     g = _FlashGrads(dout=do32.data_ptr(), lse=lse32.data_ptr(), delta=dl32.data_ptr(),
                     dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr())
+    if drel is not None:
+        g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
     rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
     del keep
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
-    return (dq[0] if a.threads == 1 else dq.sum(0)), dk, dvv
+    return ((dq[0] if a.threads == 1 else dq.sum(0)), dk, dvv,
+            None if drel is None else drel.sum(0))
 
 
 _LOG2E = 1.4426950408889634

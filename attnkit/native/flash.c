@@ -62,11 +62,15 @@ typedef struct {
     float *out, *lse;
     float *ws; /* workspace: `threads` x attnkit_flash_workspace(backward) floats */
     int32_t threads;
+    /* bfloat16 inputs: q.k and P V by vdpbf16ps (products exact in float32, P rounded to
+     * bfloat16 as torch's bfloat16 kernels round it); needs AVX512-BF16 and D % 32 == 0 */
+    int32_t bf16dot;
 } ak_flash_args;
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
 #define AK_WS_FWD (2 * AK_FM * AK_FD + AK_FR * AK_FN)
-#define AK_WS_BWD (5 * AK_FN * AK_FD + 3 * AK_FM * AK_FD + 3 * AK_FM * AK_FN)
+#define AK_SB 4 /* most key blocks of one backward item */
+#define AK_WS_BWD (5 * AK_SB * AK_FN * AK_FD + 3 * AK_FM * AK_FD + 3 * AK_FM * AK_FN)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -112,6 +116,73 @@ static inline __m512 ak_tanh(__m512 x) {
     return _mm512_or_ps(t, _mm512_and_ps(x, sign));
 }
 
+#if defined(__AVX512BF16__)
+#define AK_FLASH_BF16 1
+/* S = Qg Kt in bfloat16 pairs: q rows of dp 32-bit pairs, kt[cp][AK_FN] pairs of one key */
+static inline void ak_scores_bf(const uint32_t *q, int64_t dp, const uint32_t *kt,
+                                __m512 s[AK_FR][4]) {
+    for (int r = 0; r < AK_FR; r++)
+        for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dp; c++) {
+        const uint32_t *kc = kt + c * AK_FN;
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kc);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 16));
+        const __m512bh k2 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 32));
+        const __m512bh k3 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 48));
+        for (int r = 0; r < AK_FR; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * dp + c]);
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], qb, k1);
+            s[r][2] = _mm512_dpbf16_ps(s[r][2], qb, k2);
+            s[r][3] = _mm512_dpbf16_ps(s[r][3], qb, k3);
+        }
+    }
+}
+
+/* O[rows] = O * alpha + P V over njp key pairs: p rows of AK_FN / 2 pairs (bfloat16),
+ * vp[jp][dv] the two keys' values of each column as one pair */
+static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint32_t *p,
+                            const uint32_t *vp, int64_t njp) {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dv; c0 += 64) {
+        __m512 acc[AK_FR][4];
+        for (int r = 0; r < AK_FR; r++) {
+            const __m512 al = _mm512_set1_ps(alpha[r]);
+            for (int u = 0; u < 4; u++)
+                acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0 + 16 * u), al);
+        }
+        for (int64_t j = 0; j < njp; j++) {
+            const uint32_t *vr = vp + j * dv + c0;
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)vr);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 16));
+            const __m512bh v2 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 32));
+            const __m512bh v3 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 48));
+            for (int r = 0; r < AK_FR; r++) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[r * (AK_FN / 2) + j]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pb, v1);
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pb, v2);
+                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pb, v3);
+            }
+        }
+        for (int r = 0; r < AK_FR; r++)
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * dv + c0 + 16 * u, acc[r][u]);
+    }
+    for (; c0 < dv; c0 += 16) {
+        __m512 acc[AK_FR];
+        for (int r = 0; r < AK_FR; r++)
+            acc[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0), _mm512_set1_ps(alpha[r]));
+        for (int64_t j = 0; j < njp; j++) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512((const void *)(vp + j * dv + c0));
+            for (int r = 0; r < AK_FR; r++)
+                acc[r] = _mm512_dpbf16_ps(
+                    acc[r], (__m512bh)_mm512_set1_epi32((int)p[r * (AK_FN / 2) + j]), vv);
+        }
+        for (int r = 0; r < AK_FR; r++) _mm512_storeu_ps(o + r * dv + c0, acc[r]);
+    }
+}
+#endif
+
 /* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
 
 typedef struct {
@@ -134,6 +205,32 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
             float *dst = a->kt + t * d * AK_FN;
             const int64_t j0 = kb * AK_FN;
             const int64_t nk = a->Lk - j0 < AK_FN ? a->Lk - j0 : AK_FN;
+            if (a->bf16dot) { /* 32-bit pairs of one key's dims, transposed; value pairs */
+                uint32_t *kd = (uint32_t *)a->kt + t * (d / 2) * AK_FN;
+                for (int64_t c = 0; c < d / 2; c++)
+                    for (int64_t jj = 0; jj < AK_FN; jj++)
+                        kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)(
+                            kbase + (j0 + jj) * a->ks[2] * esz))[c] : 0u;
+                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
+                const int64_t npairs = (a->Lk + 1) / 2;
+                uint32_t *vd = (uint32_t *)a->vf + (nh * npairs + j0 / 2) * dv;
+                for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
+                    const uint16_t *r0 = (const uint16_t *)(vbase + (j0 + 2 * jp) * a->vs[2] * esz);
+                    const int odd = j0 + 2 * jp + 1 < a->Lk;
+                    const uint16_t *r1 = (const uint16_t *)(vbase + (j0 + 2 * jp + odd) *
+                                                            a->vs[2] * esz);
+                    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+                        const __m512i lo16 = _mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256((const __m256i *)(r0 + c0)));
+                        __m512i hi16 = _mm512_cvtepu16_epi32(
+                            _mm256_loadu_si256((const __m256i *)(r1 + c0)));
+                        if (!odd) hi16 = _mm512_setzero_si512();
+                        _mm512_storeu_si512((void *)(vd + jp * dv + c0),
+                                            _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
+                    }
+                }
+                continue;
+            }
             float tile[AK_FN][16];
             for (int64_t c0 = 0; c0 < d; c0 += 16) {
                 for (int64_t jj = 0; jj < AK_FN; jj++) {
@@ -247,10 +344,13 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         if (r < nrows) {
             const int64_t i = i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
-            for (int64_t c = 0; c < d; c += 16)
-                _mm512_storeu_ps(qbuf + r * d + c,
-                                 _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
-                                               _mm512_set1_ps(qmul)));
+            if (a->bf16dot)
+                memcpy(qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
+            else
+                for (int64_t c = 0; c < d; c += 16)
+                    _mm512_storeu_ps(qbuf + r * d + c,
+                                     _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
+                                                   _mm512_set1_ps(qmul)));
             int32_t a0 = a->lo[n * a->bounds_bstride + i], a1 = a->hi[n * a->bounds_bstride + i];
             if (a0 < 0) a0 = 0;
             if (a1 > Lk) a1 = (int32_t)Lk;
@@ -267,10 +367,13 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         }
         memset(obuf + r * dv, 0, (size_t)dv * 4);
     }
-    const float *ktb = a->kt + (n * a->Hkv + hk) * nkb * d * AK_FN;
+    const float *ktb = a->kt + (n * a->Hkv + hk) * nkb * d * AK_FN / (a->bf16dot ? 2 : 1);
     const float *vb;
     int64_t vstride;
-    if (a->vf != NULL) {
+    if (a->bf16dot) {
+        vb = a->vf + (n * a->Hkv + hk) * ((Lk + 1) / 2) * dv;
+        vstride = dv;
+    } else if (a->vf != NULL) {
         vb = a->vf + (n * a->Hkv + hk) * Lk * dv;
         vstride = dv;
     } else {
@@ -287,7 +390,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     for (int64_t kb = kb0; kb < kb1; kb++) {
         const int32_t j0 = (int32_t)(kb * AK_FN);
         const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-        const float *kt = ktb + kb * d * AK_FN;
+        const float *kt = ktb + kb * d * AK_FN / (a->bf16dot ? 2 : 1);
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = g * AK_FR;
             int any = 0, full = 1;
@@ -306,7 +409,16 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                         }
             }
             __m512 s[AK_FR][4];
-            ak_scores(qbuf + r0 * d, d, kt, s);
+#ifdef AK_FLASH_BF16
+            if (a->bf16dot) {
+                ak_scores_bf((const uint32_t *)qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
+                             s);
+                const __m512 qm = _mm512_set1_ps(qmul);
+                for (int r = 0; r < AK_FR; r++)
+                    for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+            } else
+#endif
+                ak_scores(qbuf + r0 * d, d, kt, s);
             float alpha[AK_FR];
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
@@ -356,14 +468,29 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 m[rr] = mnew;
                 const __m512 mb = _mm512_set1_ps(mnew);
                 __m512 sum = _mm512_setzero_ps();
+                __m512 p[4];
                 for (int u = 0; u < 4; u++) {
-                    const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], mb));
-                    sum = _mm512_add_ps(sum, p);
-                    _mm512_storeu_ps(pbuf + r * AK_FN + 16 * u, p);
+                    p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
+                    sum = _mm512_add_ps(sum, p[u]);
                 }
+#ifdef AK_FLASH_BF16
+                if (a->bf16dot) {
+                    uint16_t *pr = (uint16_t *)pbuf + r * AK_FN;
+                    _mm512_storeu_si512((void *)pr, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                    _mm512_storeu_si512((void *)(pr + 32),
+                                        (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+                } else
+#endif
+                    for (int u = 0; u < 4; u++) _mm512_storeu_ps(pbuf + r * AK_FN + 16 * u, p[u]);
                 l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
             }
-            ak_pv(obuf + r0 * dv, dv, alpha, pbuf, vb + j0 * vstride, vstride, nk);
+#ifdef AK_FLASH_BF16
+            if (a->bf16dot)
+                ak_pv_bf(obuf + r0 * dv, dv, alpha, (const uint32_t *)pbuf,
+                         (const uint32_t *)vb + (j0 / 2) * dv, (nk + 1) / 2);
+            else
+#endif
+                ak_pv(obuf + r0 * dv, dv, alpha, pbuf, vb + j0 * vstride, vstride, nk);
         }
     }
     const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
@@ -406,6 +533,10 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (a->dtype == 0 && a->vf == NULL && a->vs[2] < a->dv) return -3;
+#ifndef AK_FLASH_BF16
+    if (a->bf16dot) return -5;
+#endif
+    if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->vf == NULL)) return -5;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     ak_pack_ctx pc = {a, nkb, 0};
     ak_pool_run(ak_pack_worker, &pc, a->threads);
@@ -431,12 +562,16 @@ typedef struct {
     float *dq;  /* workers x (N, Hq, Lq, d), zeroed by the caller */
     float *dk;  /* (N, Hkv, Lk, d) */
     float *dv;  /* (N, Hkv, Lk, dv) */
+    /* the relative table's gradient, expanded as the table (rel): workers x drel_wstride
+     * floats, zeroed by the caller; NULL when the table needs none */
+    float *drel;
+    int64_t drel_wstride;
 } ak_flash_grads;
 
 typedef struct {
     const ak_flash_args *a;
     const ak_flash_grads *g;
-    int64_t nkb, nqb, next;
+    int64_t nkb, nqb, sb, next;
 } ak_bwd_ctx;
 
 /* acc[64 keys][cols] += X^T Y over R rows: X (R x AK_FN, stride AK_FN), Y (R x cols) */
@@ -478,27 +613,11 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
     }
 }
 
-static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
-                        int64_t n, int64_t hk, int64_t kb, int worker) {
-    const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
-    static const float LOG2E = 1.4426950408889634f;
-    const int capped = a->softcap > 0.0f;
-    const float qmul = capped ? a->scale : a->scale * LOG2E;
+/* Pack key block kb (transposed K and V, K rows as float32) into kt, vt, kn. */
+static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *vbase, int32_t j0,
+                        int64_t nk, float *kt, float *vt, float *kn, float *stage) {
+    const int64_t d = a->d, dv = a->dv;
     const size_t esz = a->dtype == 0 ? 4 : 2;
-    const int32_t j0 = (int32_t)(kb * AK_FN);
-    const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-    float *kt = a->ws + (int64_t)worker * AK_WS_BWD; /* K^T block */
-    float *vt = kt + AK_FD * AK_FN;                   /* V^T block */
-    float *kn = vt + AK_FD * AK_FN;                   /* K rows, float32 */
-    float *dkb = kn + AK_FN * AK_FD, *dvb = dkb + AK_FN * AK_FD;
-    float *qbuf = dvb + AK_FN * AK_FD, *dobuf = qbuf + AK_FM * AK_FD;
-    float *dqt = dobuf + AK_FM * AK_FD;
-    float *pb = dqt + AK_FM * AK_FD, *dsb = pb + AK_FM * AK_FN;
-    float *capd = dsb + AK_FM * AK_FN; /* 1 - tanh^2 with softcap */
-    int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM];
-    float ipf[AK_FM], lsel[AK_FM], dl[AK_FM];
-    const char *kbase = (const char *)a->k + (n * a->ks[0] + hk * a->ks[1]) * esz;
-    const char *vbase = (const char *)a->v + (n * a->vs[0] + hk * a->vs[1]) * esz;
     for (int64_t jj = 0; jj < AK_FN; jj++) {
         for (int64_t c = 0; c < d; c += 16) {
             __m512 x = _mm512_setzero_ps();
@@ -508,22 +627,52 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
         for (int64_t c = 0; c < dv; c += 16) {
             __m512 x = _mm512_setzero_ps();
             if (jj < nk) x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz, a->dtype, c);
-            _mm512_storeu_ps(dvb + jj * dv + c, x); /* (dvb as a staging row buffer) */
+            _mm512_storeu_ps(stage + jj * dv + c, x);
         }
     }
     for (int64_t c = 0; c < d; c++)
         for (int64_t jj = 0; jj < AK_FN; jj++) kt[c * AK_FN + jj] = kn[jj * d + c];
     for (int64_t c = 0; c < dv; c++)
-        for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = dvb[jj * dv + c];
-    memset(dkb, 0, sizeof(float) * AK_FN * d);
-    memset(dvb, 0, sizeof(float) * AK_FN * dv);
+        for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = stage[jj * dv + c];
+}
+
+/* One work item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head). Each query
+ * block's rows are loaded once for all of them and its dQ tile added once. */
+static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
+                        int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker) {
+    const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
+    static const float LOG2E = 1.4426950408889634f;
+    const int capped = a->softcap > 0.0f;
+    const float qmul = capped ? a->scale : a->scale * LOG2E;
+    const size_t esz = a->dtype == 0 ? 4 : 2;
+    const int64_t nb = kb1 - kb0;
+    const int32_t jlo = (int32_t)(kb0 * AK_FN);
+    const int32_t jhi = (int32_t)(kb1 * AK_FN < Lk ? kb1 * AK_FN : Lk);
+    float *kt = a->ws + (int64_t)worker * AK_WS_BWD;       /* [AK_SB] K^T blocks */
+    float *vt = kt + AK_SB * AK_FD * AK_FN;                  /* [AK_SB] V^T blocks */
+    float *kn = vt + AK_SB * AK_FD * AK_FN;                  /* [AK_SB] K rows, float32 */
+    float *dkb = kn + AK_SB * AK_FN * AK_FD, *dvb = dkb + AK_SB * AK_FN * AK_FD;
+    float *qbuf = dvb + AK_SB * AK_FN * AK_FD, *dobuf = qbuf + AK_FM * AK_FD;
+    float *dqt = dobuf + AK_FM * AK_FD;
+    float *pb = dqt + AK_FM * AK_FD, *dsb = pb + AK_FM * AK_FN;
+    float *capd = dsb + AK_FM * AK_FN; /* 1 - tanh^2 with softcap */
+    int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM];
+    float ipf[AK_FM], lsel[AK_FM], dl[AK_FM];
+    const char *kbase = (const char *)a->k + (n * a->ks[0] + hk * a->ks[1]) * esz;
+    const char *vbase = (const char *)a->v + (n * a->vs[0] + hk * a->vs[1]) * esz;
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
+        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
+        ak_bwd_pack(a, kbase, vbase, j0, nk, kt + b * AK_FD * AK_FN, vt + b * AK_FD * AK_FN,
+                    kn + b * AK_FN * AK_FD, dvb + b * AK_FN * AK_FD);
+    }
+    memset(dkb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
+    memset(dvb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
     const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const int64_t bb = n * a->bounds_bstride;
-    int kfull_seg = 1; /* every key of the block in one segment (then rows of it see it whole) */
-    if (kseg != NULL)
-        for (int64_t jj = 1; jj < AK_FN; jj++) kfull_seg &= kseg[j0 + jj] == kseg[j0];
+    const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
         const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
@@ -540,10 +689,12 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                 if (a0 < 0) a0 = 0;
                 if (a1 > Lk) a1 = (int32_t)Lk;
                 lo[r] = a0, hi[r] = a1;
-                anyb |= a0 < a1 && a0 < j0 + nk && a1 > j0;
+                anyb |= a0 < a1 && a0 < jhi && a1 > jlo;
             }
             if (!anyb) continue;
             const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
+            float *drel = gr->drel ? gr->drel + (int64_t)worker * gr->drel_wstride +
+                                         h * a->rel_hstride + a->rel_base - i0 : NULL;
             for (int64_t r = 0; r < padded; r++) {
                 if (r < nrows) {
                     const int64_t i = i0 + r;
@@ -565,84 +716,102 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                     ipf[r] = 0.0f;
                 }
             }
-            for (int64_t gi = 0; gi < groups; gi++) {
-                const int64_t r0 = gi * AK_FR;
-                int any = 0, full = 1;
-                for (int r = 0; r < AK_FR; r++) {
-                    const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
-                    any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
-                    full &= a0 <= j0 && a1 >= j0 + AK_FN;
-                }
-                if (!any) {
-                    memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
-                    memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
-                    continue;
-                }
-                if (kseg != NULL && full) {
-                    for (int r = 0; r < AK_FR; r++) full &= kfull_seg && qsg[r0 + r] == kseg[j0];
-                }
-                __m512 s[AK_FR][4], dp[AK_FR][4];
-                ak_scores(qbuf + r0 * d, d, kt, s);
-                ak_scores(dobuf + r0 * dv, dv, vt, dp);
-                for (int r = 0; r < AK_FR; r++) {
-                    const int64_t rr = r0 + r;
-                    if (capped) {
-                        const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
-                        const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
-                        for (int u = 0; u < 4; u++) {
-                            const __m512 th = ak_tanh(_mm512_mul_ps(s[r][u], inv));
-                            _mm512_storeu_ps(capd + rr * AK_FN + 16 * u,
-                                            _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
-                            s[r][u] = _mm512_mul_ps(th, cl);
-                        }
-                    }
-                    if (a->alibi) {
-                        const __m512 ip = _mm512_set1_ps(ipf[rr]), sl = _mm512_set1_ps(slope);
-                        for (int u = 0; u < 4; u++) {
-                            const __m512 jf = _mm512_cvtepi32_ps(
-                                _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
-                            s[r][u] = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)),
-                                                       s[r][u]);
-                        }
-                    }
-                    if (rel != NULL) {
-                        const float *tr = rel + j0 - rr;
-                        for (int u = 0; u < 4; u++)
-                            s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
-                    }
-                    if (!full) {
-                        const __m512i a0 = _mm512_set1_epi32(lo[rr]);
-                        const __m512i a1 = _mm512_set1_epi32(hi[rr]);
-                        for (int u = 0; u < 4; u++) {
-                            const __m512i j = _mm512_add_epi32(iota,
-                                                               _mm512_set1_epi32(j0 + 16 * u));
-                            __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
-                                            _mm512_cmplt_epi32_mask(j, a1);
-                            if (kseg != NULL)
-                                vis &= _mm512_cmpeq_epi32_mask(
-                                    _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
-                                    _mm512_set1_epi32(qsg[rr]));
-                            s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
-                        }
-                    }
-                    const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
-                    for (int u = 0; u < 4; u++) {
-                        const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
-                        __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r][u], db));
-                        if (capped)
-                            ds = _mm512_mul_ps(ds, _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
-                        _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
-                        _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
-                    }
-                }
-            }
-            ak_tn(dvb, dv, pb, dobuf, padded, nk);
-            ak_tn(dkb, d, dsb, qbuf, padded, nk);
             memset(dqt, 0, sizeof(float) * padded * d);
-            const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
-            for (int64_t gi = 0; gi < groups; gi++)
-                ak_pv(dqt + gi * AK_FR * d, d, ones, dsb + gi * AK_FR * AK_FN, kn, d, nk);
-            const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
+            for (int64_t b = 0; b < nb; b++) {
+                const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
+                const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
+                const float *ktb = kt + b * AK_FD * AK_FN, *vtb = vt + b * AK_FD * AK_FN;
+                int seen = 0;
+                for (int64_t r = 0; r < nrows; r++)
+                    seen |= lo[r] < hi[r] && lo[r] < j0 + nk && hi[r] > j0;
+                if (!seen) continue;
+                int kfull_seg = 1; /* every key of the block in one segment */
+                if (kseg != NULL)
+                    for (int64_t jj = 1; jj < AK_FN; jj++) kfull_seg &= kseg[j0 + jj] == kseg[j0];
+                for (int64_t gi = 0; gi < groups; gi++) {
+                    const int64_t r0 = gi * AK_FR;
+                    int any = 0, full = 1;
+                    for (int r = 0; r < AK_FR; r++) {
+                        const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
+                        any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
+                        full &= a0 <= j0 && a1 >= j0 + AK_FN;
+                    }
+                    if (!any) {
+                        memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                        memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                        continue;
+                    }
+                    if (kseg != NULL && full)
+                        for (int r = 0; r < AK_FR; r++)
+                            full &= kfull_seg && qsg[r0 + r] == kseg[j0];
+                    __m512 s[AK_FR][4], dp[AK_FR][4];
+                    ak_scores(qbuf + r0 * d, d, ktb, s);
+                    ak_scores(dobuf + r0 * dv, dv, vtb, dp);
+                    for (int r = 0; r < AK_FR; r++) {
+                        const int64_t rr = r0 + r;
+                        if (capped) {
+                            const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
+                            const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
+                            for (int u = 0; u < 4; u++) {
+                                const __m512 th = ak_tanh(_mm512_mul_ps(s[r][u], inv));
+                                _mm512_storeu_ps(capd + rr * AK_FN + 16 * u,
+                                                 _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
+                                s[r][u] = _mm512_mul_ps(th, cl);
+                            }
+                        }
+                        if (a->alibi) {
+                            const __m512 ip = _mm512_set1_ps(ipf[rr]);
+                            const __m512 sl = _mm512_set1_ps(slope);
+                            for (int u = 0; u < 4; u++) {
+                                const __m512 jf = _mm512_cvtepi32_ps(
+                                    _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
+                                s[r][u] = _mm512_fnmadd_ps(
+                                    sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)), s[r][u]);
+                            }
+                        }
+                        if (rel != NULL) {
+                            const float *tr = rel + j0 - rr;
+                            for (int u = 0; u < 4; u++)
+                                s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
+                        }
+                        if (!full) {
+                            const __m512i a0 = _mm512_set1_epi32(lo[rr]);
+                            const __m512i a1 = _mm512_set1_epi32(hi[rr]);
+                            for (int u = 0; u < 4; u++) {
+                                const __m512i j = _mm512_add_epi32(
+                                    iota, _mm512_set1_epi32(j0 + 16 * u));
+                                __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
+                                                _mm512_cmplt_epi32_mask(j, a1);
+                                if (kseg != NULL)
+                                    vis &= _mm512_cmpeq_epi32_mask(
+                                        _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
+                                        _mm512_set1_epi32(qsg[rr]));
+                                s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
+                            }
+                        }
+                        const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
+                        for (int u = 0; u < 4; u++) {
+                            const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
+                            __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r][u], db));
+                            if (drel != NULL) { /* the table's term is added after softcap */
+                                float *dr = drel + j0 - rr + 16 * u;
+                                _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
+                            }
+                            if (capped)
+                                ds = _mm512_mul_ps(ds,
+                                                   _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
+                            _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
+                            _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                        }
+                    }
+                }
+                ak_tn(dvb + b * AK_FN * AK_FD, dv, pb, dobuf, padded, nk);
+                ak_tn(dkb + b * AK_FN * AK_FD, d, dsb, qbuf, padded, nk);
+                const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
+                for (int64_t gi = 0; gi < groups; gi++)
+                    ak_pv(dqt + gi * AK_FR * d, d, ones, dsb + gi * AK_FR * AK_FN,
+                          kn + b * AK_FN * AK_FD, d, nk);
+            }
             for (int64_t r = 0; r < nrows; r++) {
                 float *dst = dqw + (i0 + r) * d;
                 for (int64_t c = 0; c < d; c += 16)
@@ -653,13 +822,18 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     }
     /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul); dV as accumulated */
     const __m512 kf = _mm512_set1_ps(a->scale / qmul);
-    float *dk = gr->dk + ((n * a->Hkv + hk) * Lk + j0) * d;
-    float *dvo = gr->dv + ((n * a->Hkv + hk) * Lk + j0) * dv;
-    for (int64_t jj = 0; jj < nk; jj++) {
-        for (int64_t c = 0; c < d; c += 16)
-            _mm512_storeu_ps(dk + jj * d + c, _mm512_mul_ps(_mm512_loadu_ps(dkb + jj * d + c),
-                                                            kf));
-        memcpy(dvo + jj * dv, dvb + jj * dv, (size_t)dv * 4);
+    for (int64_t b = 0; b < nb; b++) {
+        const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
+        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
+        float *dk = gr->dk + ((n * a->Hkv + hk) * Lk + j0) * d;
+        float *dvo = gr->dv + ((n * a->Hkv + hk) * Lk + j0) * dv;
+        const float *dks = dkb + b * AK_FN * AK_FD, *dvs = dvb + b * AK_FN * AK_FD;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            for (int64_t c = 0; c < d; c += 16)
+                _mm512_storeu_ps(dk + jj * d + c,
+                                 _mm512_mul_ps(_mm512_loadu_ps(dks + jj * d + c), kf));
+            memcpy(dvo + jj * dv, dvs + jj * dv, (size_t)dv * 4);
+        }
     }
 }
 
@@ -667,11 +841,13 @@ static void ak_bwd_worker(void *vctx, int w, int nw) {
     (void)nw;
     ak_bwd_ctx *ctx = vctx;
     const ak_flash_args *a = ctx->a;
-    const int64_t nkb = ctx->nkb, total = a->N * a->Hkv * nkb;
+    const int64_t nkb = ctx->nkb, sb = ctx->sb, nsb = (nkb + sb - 1) / sb;
+    const int64_t total = a->N * a->Hkv * nsb;
     int64_t t0, t1;
     while (ak_next_block(&ctx->next, 1, total, &t0, &t1)) {
-        const int64_t kb = t0 % nkb, nh = t0 / nkb;
-        ak_bwd_item(a, ctx->g, ctx->nqb, nh / a->Hkv, nh % a->Hkv, kb, w);
+        const int64_t s0 = t0 % nsb, nh = t0 / nsb;
+        const int64_t kb0 = s0 * sb, kb1 = kb0 + sb < nkb ? kb0 + sb : nkb;
+        ak_bwd_item(a, ctx->g, ctx->nqb, nh / a->Hkv, nh % a->Hkv, kb0, kb1, w);
     }
 }
 
@@ -683,7 +859,12 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
     if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
-    ak_bwd_ctx bc = {a, g, (a->Lk + AK_FN - 1) / AK_FN, (a->Lq + AK_FM - 1) / AK_FM, 0};
+    if (g->drel != NULL && a->rel == NULL) return -6;
+    const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
+    /* items of up to AK_SB key blocks, while that leaves 8 items a worker */
+    int64_t sb = AK_SB;
+    while (sb > 1 && a->N * a->Hkv * ((nkb + sb - 1) / sb) < 8 * (int64_t)a->threads) sb /= 2;
+    ak_bwd_ctx bc = {a, g, nkb, (a->Lq + AK_FM - 1) / AK_FM, sb, 0};
     ak_pool_run(ak_bwd_worker, &bc, a->threads);
     return 0;
 }
@@ -705,6 +886,13 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
 
 int attnkit_flash_block(void) { return AK_FN; }
 int64_t attnkit_flash_workspace(int backward) { return backward ? AK_WS_BWD : AK_WS_FWD; }
+int attnkit_flash_has_bf16dot(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 int attnkit_flash_available(void) {
 #if defined(__AVX512F__)
     return 1;
