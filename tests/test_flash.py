@@ -274,6 +274,24 @@ def test_non_finite_inputs_take_the_next_executors_forward():
     assert torch.allclose(out[fin], same[fin], atol=1e-5)
 
 
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_inputs_in_both_passes_match_the_fused_executor(where, dtype):
+    q, k, v = _qkv(lq=70, dtype=dtype)
+    x = {"q": q, "k": k, "v": v}[where]
+    x[0, 1, 5, 3] = float("nan")
+    x[1, 0, 9, 0] = float("inf")
+    grads = []
+    for backend in ("auto", "fused"):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attnkit.attention(*leaves, causal=True, backend=backend)
+        grads.append((out, *torch.autograd.grad(out.float().sum(), leaves)))
+    for a, b in zip(*grads):
+        assert torch.equal(a.isnan(), b.isnan())
+        fin = ~a.isnan()
+        assert torch.allclose(a[fin].float(), b[fin].float(), atol=2e-2)
+
+
 def test_threads_do_not_change_the_bits():
     q, k, v = _qkv(n=1, hq=2, hkv=2, lq=333, d=64)
     old = torch.get_num_threads()
@@ -346,6 +364,14 @@ def test_the_wrapper_checks_its_arguments():
     with pytest.raises(ValueError, match="alibi needs ipos"):
         native.flash_forward(q, k, v, 0.1, native.FlashTerms(lo=lo, hi=hi,
                                                              alibi=torch.zeros(1, 4)))
-    with pytest.raises(ValueError, match="dout must be"):
+    with pytest.raises(ValueError, match="dout and out must be"):
         native.flash_backward(q, k, v, 0.1, t, torch.zeros(2, 4, 150, 8),
-                              torch.zeros(2, 4, 150), torch.zeros(2, 4, 150))
+                              torch.zeros(2, 4, 150, 32), torch.zeros(2, 4, 150))
+    bad = q.clone()
+    bad[1, 2, 3, 4] = float("inf")
+    with pytest.raises(native.FlashNonFinite):
+        native.flash_forward(bad, k, v, 0.1, t)
+    with pytest.raises(native.FlashNonFinite):
+        native.flash_backward(q, k, v.masked_fill(v > 3, float("nan")), 0.1, t,
+                              torch.zeros(2, 4, 150, 32), torch.zeros(2, 4, 150, 32),
+                              torch.zeros(2, 4, 150))

@@ -27,7 +27,6 @@ rows the NaN (and +inf log-sum-exp) the float64 reference gives.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Tuple
@@ -309,11 +308,6 @@ def mask_intervals(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
     return lo, hi
 
 
-def _inputs_finite(spec: AttentionSpec) -> bool:
-    return all(math.isfinite(float(x.sum(dtype=torch.float32))) for x in (spec.q, spec.k,
-                                                                            spec.v))
-
-
 def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     """The kernel's terms for ``spec`` (None: a mask structure the kernel cannot take after
     all, such as ids for another batch size)."""
@@ -339,16 +333,21 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
 
 
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
-    """The native forward (the next executor's for non-finite inputs)."""
-    t = terms(spec) if _inputs_finite(spec) else None
-    res = None if t is None else native.flash_forward(spec.q, spec.k, spec.v, spec.scale, t)
+    """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
+    inputs' dtype."""
+    t = terms(spec)
+    res = None
+    if t is not None:
+        try:
+            res = native.flash_forward(spec.q, spec.k, spec.v, spec.scale, t)
+        except native.FlashNonFinite:
+            res = None
     if res is None:  # (non-finite inputs; or a kernel that went away after selection)
         mod, p = plan.next()
         return mod.forward(spec, p)
     out, lse = res
-    cd = spec.compute_dtype
-    mx = torch.full((), float("nan"), dtype=cd).expand(lse.shape)
-    return ForwardResult(out=out.to(cd), lse=lse.to(cd), max_scores=mx)
+    mx = torch.full((), float("nan"), dtype=lse.dtype).expand(lse.shape)
+    return ForwardResult(out=out, lse=lse, max_scores=mx)
 
 
 def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dout: Tensor,
@@ -359,17 +358,17 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
     t = None
     table = _table_of(spec)
     table_grad = bool(spec.score_mod_params)
-    if (not table_grad or (table is not None and len(spec.score_mod_params) == 1
-                           and spec.score_mod_params[0] is table)) and _inputs_finite(spec):
+    if not table_grad or (table is not None and len(spec.score_mod_params) == 1
+                          and spec.score_mod_params[0] is table):
         t = terms(spec)
     if t is not None:
-        delta = (dout.to(torch.float32) * out.to(torch.float32)).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.to(torch.float32)
-        res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, lse, delta,
-                                    table_grad=table_grad)
+        try:
+            res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, out, lse,
+                                        dlse, table_grad=table_grad)
+        except native.FlashNonFinite:
+            res = None
         if res is not None:
-            dq, dk, dv, drel = res
+            dq, dk, dv, drel, delta = res
             dparams: Tuple[Optional[Tensor], ...] = ()
             if table_grad:  # each expanded entry back onto the table entry it was read from
                 idx, _ = _rel_index(spec, table)

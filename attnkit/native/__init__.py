@@ -59,7 +59,7 @@ from torch import Tensor
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
-           "FLASH_BLOCK", "pool_stats",
+           "FlashNonFinite", "FLASH_BLOCK", "pool_stats",
            "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
@@ -739,14 +739,20 @@ class _FlashArgs(ctypes.Structure):
                 ("alibi", _P), ("alibi_bstride", _I64), ("ipos", _P), ("ipos_bstride", _I64),
                 ("rel", _P), ("rel_hstride", _I64), ("rel_base", _I64), ("sinks", _P),
                 ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("ws", _P),
-                ("threads", _I32), ("bf16dot", _I32)]
+                ("threads", _I32), ("bf16dot", _I32), ("out_dtype", _I32), ("bad", _P)]
 
 
 class _FlashGrads(ctypes.Structure):
     """ak_flash_grads in flash.c."""
 
-    _fields_ = [("dout", _P), ("lse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
+    _fields_ = [("dout", _P), ("out", _P), ("dout_dtype", _I32), ("out_dtype", _I32),
+                ("lse", _P), ("dlse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
                 ("drel", _P), ("drel_wstride", _I64)]
+
+
+class FlashNonFinite(ArithmeticError):
+    """An input of a flash kernel call holds a NaN or an infinity (the kernel's result would
+    not carry them as the math does): the caller runs another path."""
 
 
 def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Optional[Tensor], int]:
@@ -815,11 +821,12 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
         lo_bs = lq
     ws = torch.empty(threads * _lib().attnkit_flash_workspace(int(backward)),
                      dtype=torch.float32)
-    keep: List[Any] = [q, k, v, lo32, hi32, ws]
+    bad = torch.zeros(1, dtype=torch.int32)
+    keep: List[Any] = [q, k, v, lo32, hi32, ws, bad]
     a = _FlashArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dtype=dtype, N=n, Hq=hq,
                    Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
                    hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(t.softcap),
-                   ws=ws.data_ptr(), threads=threads)
+                   ws=ws.data_ptr(), threads=threads, bad=bad.data_ptr())
     for name, x in (("qs", q), ("ks", k), ("vs", v)):
         getattr(a, name)[:] = [x.stride(0), x.stride(1), x.stride(2)]
     if t.segments is not None:
@@ -872,12 +879,14 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
 
     ``q (N, Hq, Lq, D)``, ``k (N, Hkv, Lk, D)``, ``v (N, Hkv, Lk, Dv)``: one dtype of float32,
     bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
-    Hq a multiple of Hkv. A row that sees no key (and has no sink) gets out 0 and lse -inf."""
+    Hq a multiple of Hkv. ``out`` comes in q's dtype. A row that sees no key (and has no sink)
+    gets out 0 and lse -inf. Raises :class:`FlashNonFinite` when an input is not finite."""
     if not _flash_ready():
         return None
     a, keep = _flash_args(q, k, v, scale, terms, backward=False)
     n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
-    out = torch.empty(n, hq, lq, dv, dtype=torch.float32)
+    out = torch.empty(n, hq, lq, dv, dtype=q.dtype)
+    a.out_dtype = _DTYPES[q.dtype]
     lse = torch.empty(n, hq, lq, dtype=torch.float32)
     if n * hq * lq == 0:
         return out, lse
@@ -893,50 +902,67 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
     a.out, a.lse = out.data_ptr(), lse.data_ptr()
     rc = _lib().attnkit_flash_forward(ctypes.byref(a))
     del keep, kt, vf
+    if rc == 1:
+        raise FlashNonFinite("flash_forward: q, k or v holds a NaN or an infinity")
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
     return out, lse
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
-                   dout: Tensor, lse: Tensor, delta: Tensor, table_grad: bool = False
-                   ) -> Optional[Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
-    """The gradients ``dq, dk, dv`` (float32, shaped as q, k, v) of :func:`flash_forward`'s
-    output for ``dout (N, Hq, Lq, Dv)``, from the forward's ``lse (N, Hq, Lq)`` and ``delta =
-    rowsum(dout * out) - dlse``; the scores' softcap, ALiBi and relative terms as in the
-    forward (a sink's own gradient is the caller's: ``-sum exp(sink - lse) * delta``), and
-    with ``table_grad`` the gradient of the expanded relative table ``terms.rel`` (same
-    shape; its entries' sums over the distances a table entry was clamped to are the table's
-    gradient). None when the kernel is unavailable."""
+                   dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
+                   table_grad: bool = False
+                   ) -> Optional[Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Tensor]]:
+    """The gradients of :func:`flash_forward`'s output: ``dq, dk, dv`` (float32, shaped as
+    q, k, v) for ``dout (N, Hq, Lq, Dv)``, from the forward's ``out`` and ``lse (N, Hq, Lq)``
+    (and ``dlse``, the lse's gradient); the scores' softcap, ALiBi and relative terms as in
+    the forward. Also returns, with ``table_grad``, the gradient of the expanded relative
+    table ``terms.rel`` (same shape; the sums over the distances each table entry was clamped
+    to are the table's gradient), else None; and ``delta = rowsum(dout * out) - dlse``, with
+    which a sink's gradient is ``-sum exp(sink - lse) * delta``. None when the kernel is
+    unavailable; raises :class:`FlashNonFinite` when an input is not finite."""
     if not _flash_ready():
         return None
+    if table_grad and terms.rel is None:
+        raise ValueError("flash_backward: table_grad needs terms.rel")
     a, keep = _flash_args(q, k, v, scale, terms, backward=True)
     n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
     shape = (n, hq, lq)
-    if tuple(dout.shape) != (*shape, dv) or tuple(lse.shape) != shape or (
-            tuple(delta.shape) != shape):
-        raise ValueError(f"flash_backward: dout must be {(*shape, dv)}, lse and delta {shape}; "
-                         f"got {tuple(dout.shape)}, {tuple(lse.shape)}, {tuple(delta.shape)}")
-    if table_grad and terms.rel is None:
-        raise ValueError("flash_backward: table_grad needs terms.rel")
-    dq = torch.zeros(a.threads, n, hq, lq, d, dtype=torch.float32)
-    dk = torch.zeros(n, a.Hkv, lk, d, dtype=torch.float32)
-    dvv = torch.zeros(n, a.Hkv, lk, dv, dtype=torch.float32)
+    if (tuple(dout.shape) != (*shape, dv) or tuple(out.shape) != (*shape, dv)
+            or tuple(lse.shape) != shape or (dlse is not None and tuple(dlse.shape) != shape)):
+        raise ValueError(f"flash_backward: dout and out must be {(*shape, dv)}, lse and dlse "
+                         f"{shape}; got {tuple(dout.shape)}, {tuple(out.shape)}, "
+                         f"{tuple(lse.shape)}, {None if dlse is None else tuple(dlse.shape)}")
+    dq = torch.empty(a.threads, n, hq, lq, d, dtype=torch.float32)
+    dk = torch.empty(n, a.Hkv, lk, d, dtype=torch.float32)
+    dvv = torch.empty(n, a.Hkv, lk, dv, dtype=torch.float32)
+    delta = torch.empty(shape, dtype=torch.float32)
     drel = (torch.zeros(a.threads, *terms.rel.shape, dtype=torch.float32) if table_grad
             else None)
     if n * hq * lq == 0 or lk == 0:
-        return dq.sum(0), dk, dvv, (None if drel is None else drel.sum(0))
-    do32, lse32, dl32 = (x.detach().to(torch.float32).contiguous() for x in (dout, lse, delta))
-    g = _FlashGrads(dout=do32.data_ptr(), lse=lse32.data_ptr(), delta=dl32.data_ptr(),
+        return (dq[0].zero_(), dk.zero_(), dvv.zero_(),
+                None if drel is None else drel.sum(0), delta.zero_())
+
+    def plain(x: Tensor) -> Tensor:
+        x = x.detach()
+        return (x if x.dtype in _DTYPES else x.to(torch.float32)).contiguous()
+
+    do_c, out_c = plain(dout), plain(out)
+    lse32 = lse.detach().to(torch.float32).contiguous()
+    dlse32 = None if dlse is None else dlse.detach().to(torch.float32).contiguous()
+    g = _FlashGrads(dout=do_c.data_ptr(), out=out_c.data_ptr(), dout_dtype=_DTYPES[do_c.dtype],
+                    out_dtype=_DTYPES[out_c.dtype], lse=lse32.data_ptr(),
+                    dlse=None if dlse32 is None else dlse32.data_ptr(), delta=delta.data_ptr(),
                     dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr())
     if drel is not None:
         g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
     rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
     del keep
+    if rc == 1:
+        raise FlashNonFinite("flash_backward: q, k or v holds a NaN or an infinity")
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
-    return ((dq[0] if a.threads == 1 else dq.sum(0)), dk, dvv,
-            None if drel is None else drel.sum(0))
+    return dq[0], dk, dvv, (None if drel is None else drel.sum(0)), delta
 
 
 _LOG2E = 1.4426950408889634

@@ -65,6 +65,8 @@ typedef struct {
     /* bfloat16 inputs: q.k and P V by vdpbf16ps (products exact in float32, P rounded to
      * bfloat16 as torch's bfloat16 kernels round it); needs AVX512-BF16 and D % 32 == 0 */
     int32_t bf16dot;
+    int32_t out_dtype; /* out: 0 float32, 1 bfloat16, 2 float16 */
+    int32_t *bad;      /* set to 1 when an input holds a NaN or an infinity */
 } ak_flash_args;
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
@@ -80,6 +82,44 @@ static inline __m512 ak_load_row16(const void *p, int dtype, int64_t i) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     if (dtype == 2) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* lanes of x that are NaN or infinite (x * 0 is NaN exactly there) */
+static inline __mmask16 ak_nonfinite(__m512 x) {
+    const __m512 z = _mm512_setzero_ps();
+    return _mm512_cmp_ps_mask(_mm512_mul_ps(x, z), z, _CMP_NEQ_UQ);
+}
+
+/* 16-bit lanes (bfloat16 bits) whose exponent is all ones: NaN or infinite */
+static inline __mmask32 ak_nonfinite_bf16(__m512i x) {
+    const __m512i e = _mm512_set1_epi16(0x7f80);
+    return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, e), e);
+}
+
+static inline void ak_flag_bad(const ak_flash_args *a) {
+    __atomic_store_n(a->bad, 1, __ATOMIC_RELAXED);
+}
+
+/* x to 16 elements of dtype at p + i (bfloat16 rounded to nearest even as torch's casts) */
+static inline void ak_store_row16(void *p, int dtype, int64_t i, __m512 x) {
+    if (dtype == 0) {
+        _mm512_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m256i h;
+    if (dtype == 2) {
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+        const __m512i u = _mm512_castps_si512(x);
+        const __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+            16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        const __m512i qn = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, qn));
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
 }
 
 /* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by its Taylor
@@ -197,6 +237,7 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
     const int64_t d = a->d, dv = a->dv, nkb = ctx->nkb;
     const int64_t total = a->N * a->Hkv * nkb;
     const size_t esz = a->dtype == 0 ? 4 : 2;
+    int bad = 0;
     int64_t b0, b1;
     while (ak_next_block(&ctx->next, 4, total, &b0, &b1)) {
         for (int64_t t = b0; t < b1; t++) {
@@ -207,6 +248,11 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
             const int64_t nk = a->Lk - j0 < AK_FN ? a->Lk - j0 : AK_FN;
             if (a->bf16dot) { /* 32-bit pairs of one key's dims, transposed; value pairs */
                 uint32_t *kd = (uint32_t *)a->kt + t * (d / 2) * AK_FN;
+                for (int64_t jj = 0; jj < nk; jj++)
+                    for (int64_t c = 0; c < d; c += 32)
+                        bad |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                                   (const void *)((const uint16_t *)(kbase + (j0 + jj) *
+                                                                     a->ks[2] * esz) + c))) != 0;
                 for (int64_t c = 0; c < d / 2; c++)
                     for (int64_t jj = 0; jj < AK_FN; jj++)
                         kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)(
@@ -225,11 +271,20 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
                         __m512i hi16 = _mm512_cvtepu16_epi32(
                             _mm256_loadu_si256((const __m256i *)(r1 + c0)));
                         if (!odd) hi16 = _mm512_setzero_si512();
+                        const __m512i both = _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16));
+                        bad |= ak_nonfinite_bf16(both) != 0;
                         _mm512_storeu_si512((void *)(vd + jp * dv + c0),
                                             _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
                     }
                 }
                 continue;
+            }
+            if (a->vf == NULL) { /* float32 values are read in place: look at them here */
+                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
+                for (int64_t jj = 0; jj < nk; jj++)
+                    for (int64_t c0 = 0; c0 < dv; c0 += 16)
+                        bad |= ak_nonfinite(_mm512_loadu_ps(
+                                   (const float *)(vbase + (j0 + jj) * a->vs[2] * esz) + c0)) != 0;
             }
             float tile[AK_FN][16];
             for (int64_t c0 = 0; c0 < d; c0 += 16) {
@@ -237,6 +292,7 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
                     __m512 x = _mm512_setzero_ps();
                     if (jj < nk)
                         x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c0);
+                    bad |= ak_nonfinite(x) != 0;
                     _mm512_storeu_ps(tile[jj], x);
                 }
                 for (int64_t c = 0; c < 16; c++) {
@@ -248,13 +304,16 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
                 const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
                 float *vd = a->vf + (nh * a->Lk + j0) * dv;
                 for (int64_t jj = 0; jj < nk; jj++)
-                    for (int64_t c0 = 0; c0 < dv; c0 += 16)
-                        _mm512_storeu_ps(vd + jj * dv + c0,
-                                         ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz,
-                                                       a->dtype, c0));
+                    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+                        const __m512 x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz,
+                                                       a->dtype, c0);
+                        bad |= ak_nonfinite(x) != 0;
+                        _mm512_storeu_ps(vd + jj * dv + c0, x);
+                    }
             }
         }
     }
+    if (bad) ak_flag_bad(a);
 }
 
 /* ---- the forward ------------------------------------------------------------------------ */
@@ -344,13 +403,20 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         if (r < nrows) {
             const int64_t i = i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
-            if (a->bf16dot)
+            __mmask16 badq = 0;
+            if (a->bf16dot) {
                 memcpy(qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
-            else
-                for (int64_t c = 0; c < d; c += 16)
-                    _mm512_storeu_ps(qbuf + r * d + c,
-                                     _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
-                                                   _mm512_set1_ps(qmul)));
+                for (int64_t c = 0; c < d; c += 32)
+                    badq |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                                (const void *)((const uint16_t *)qr + c))) != 0;
+            } else {
+                for (int64_t c = 0; c < d; c += 16) {
+                    const __m512 x = ak_load_row16(qr, a->dtype, c);
+                    badq |= ak_nonfinite(x);
+                    _mm512_storeu_ps(qbuf + r * d + c, _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                }
+            }
+            if (badq) ak_flag_bad(a);
             int32_t a0 = a->lo[n * a->bounds_bstride + i], a1 = a->hi[n * a->bounds_bstride + i];
             if (a0 < 0) a0 = 0;
             if (a1 > Lk) a1 = (int32_t)Lk;
@@ -496,10 +562,11 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t i = i0 + r;
-        float *orow = a->out + ((n * a->Hq + h) * a->Lq + i) * dv;
+        const size_t oe = a->out_dtype == 0 ? 4 : 2;
+        char *orow = (char *)a->out + ((n * a->Hq + h) * a->Lq + i) * dv * oe;
         float mf = m[r] > sink ? m[r] : sink;
         if (mf == -INFINITY || !(l[r] > 0.0f || sink > -INFINITY)) {
-            memset(orow, 0, (size_t)dv * 4);
+            memset(orow, 0, (size_t)dv * oe);
             a->lse[(n * a->Hq + h) * a->Lq + i] = -INFINITY;
             continue;
         }
@@ -507,7 +574,8 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
         const __m512 f = _mm512_set1_ps(w / total);
         for (int64_t c = 0; c < dv; c += 16)
-            _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
+            ak_store_row16(orow, a->out_dtype, c,
+                           _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
         a->lse[(n * a->Hq + h) * a->Lq + i] = (mf + log2f(total)) * 0.6931471805599453f;
     }
 }
@@ -537,12 +605,13 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->bf16dot) return -5;
 #endif
     if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->vf == NULL)) return -5;
+    if (a->bad == NULL || a->out_dtype < 0 || a->out_dtype > 2) return -7;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     ak_pack_ctx pc = {a, nkb, 0};
     ak_pool_run(ak_pack_worker, &pc, a->threads);
     ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0};
     ak_pool_run(ak_fwd_worker, &fc, a->threads);
-    return 0;
+    return *a->bad ? 1 : 0; /* 1: an input was not finite (the caller runs another path) */
 }
 
 
@@ -556,10 +625,13 @@ int attnkit_flash_forward(const ak_flash_args *a) {
  * threads write one float. */
 
 typedef struct {
-    const float *dout; /* (N, Hq, Lq, dv) float32 contiguous */
+    const void *dout; /* (N, Hq, Lq, dv) contiguous, of dout_dtype */
+    const void *out;  /* (N, Hq, Lq, dv) contiguous, of out_dtype: the forward's output */
+    int32_t dout_dtype, out_dtype;
     const float *lse;  /* (N, Hq, Lq) natural log; -inf rows see nothing */
-    const float *delta; /* (N, Hq, Lq): rowsum(dO * O) minus the lse gradient */
-    float *dq;  /* workers x (N, Hq, Lq, d), zeroed by the caller */
+    const float *dlse; /* (N, Hq, Lq) the lse's gradient, or NULL */
+    float *delta; /* (N, Hq, Lq), written: rowsum(dO * O) - dlse */
+    float *dq;  /* workers x (N, Hq, Lq, d), zeroed here; on return dQ is the first */
     float *dk;  /* (N, Hkv, Lk, d) */
     float *dv;  /* (N, Hkv, Lk, dv) */
     /* the relative table's gradient, expanded as the table (rel): workers x drel_wstride
@@ -618,15 +690,18 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
                         int64_t nk, float *kt, float *vt, float *kn, float *stage) {
     const int64_t d = a->d, dv = a->dv;
     const size_t esz = a->dtype == 0 ? 4 : 2;
+    __mmask16 bad = 0;
     for (int64_t jj = 0; jj < AK_FN; jj++) {
         for (int64_t c = 0; c < d; c += 16) {
             __m512 x = _mm512_setzero_ps();
             if (jj < nk) x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c);
+            bad |= ak_nonfinite(x);
             _mm512_storeu_ps(kn + jj * d + c, x);
         }
         for (int64_t c = 0; c < dv; c += 16) {
             __m512 x = _mm512_setzero_ps();
             if (jj < nk) x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz, a->dtype, c);
+            bad |= ak_nonfinite(x);
             _mm512_storeu_ps(stage + jj * dv + c, x);
         }
     }
@@ -634,6 +709,7 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
         for (int64_t jj = 0; jj < AK_FN; jj++) kt[c * AK_FN + jj] = kn[jj * d + c];
     for (int64_t c = 0; c < dv; c++)
         for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = stage[jj * dv + c];
+    if (bad) ak_flag_bad(a);
 }
 
 /* One work item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head). Each query
@@ -673,6 +749,7 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const int64_t bb = n * a->bounds_bstride;
     const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
+    const size_t doe = gr->dout_dtype == 0 ? 4 : 2;
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
         const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
@@ -699,11 +776,16 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                 if (r < nrows) {
                     const int64_t i = i0 + r;
                     const char *qr = qbase + i * a->qs[2] * esz;
-                    for (int64_t c = 0; c < d; c += 16)
-                        _mm512_storeu_ps(qbuf + r * d + c,
-                                         _mm512_mul_ps(ak_load_row16(qr, a->dtype, c),
-                                                       _mm512_set1_ps(qmul)));
-                    memcpy(dobuf + r * dv, gr->dout + (nh * Lq + i) * dv, (size_t)dv * 4);
+                    __mmask16 badq = 0;
+                    for (int64_t c = 0; c < d; c += 16) {
+                        const __m512 x = ak_load_row16(qr, a->dtype, c);
+                        badq |= ak_nonfinite(x);
+                        _mm512_storeu_ps(qbuf + r * d + c, _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                    }
+                    if (badq) ak_flag_bad(a);
+                    const char *dor = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
+                    for (int64_t c = 0; c < dv; c += 16)
+                        _mm512_storeu_ps(dobuf + r * dv + c, ak_load_row16(dor, gr->dout_dtype, c));
                     const float l = gr->lse[nh * Lq + i];
                     lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
                     dl[r] = gr->delta[nh * Lq + i];
@@ -851,8 +933,50 @@ static void ak_bwd_worker(void *vctx, int w, int nw) {
     }
 }
 
-/* The gradients; dq holds `a->threads` buffers (zeroed), each a part of dQ: their sum is
- * dQ. Returns 0, or < 0 for arguments it does not run. */
+/* Rows [r0, r1) of (N, Hq, Lq): delta and zeroed dQ buffers (phase 0), or the dQ buffers
+ * summed into the first (phase 1). */
+typedef struct {
+    const ak_flash_args *a;
+    const ak_flash_grads *g;
+    int phase;
+    int64_t next;
+} ak_rows_ctx;
+
+static void ak_rows_worker(void *vctx, int w, int nw) {
+    (void)w, (void)nw;
+    ak_rows_ctx *ctx = vctx;
+    const ak_flash_args *a = ctx->a;
+    const ak_flash_grads *g = ctx->g;
+    const int64_t rows = a->N * a->Hq * a->Lq, d = a->d, dv = a->dv;
+    const size_t oe = g->out_dtype == 0 ? 4 : 2, de = g->dout_dtype == 0 ? 4 : 2;
+    int64_t r0, r1;
+    while (ak_next_block(&ctx->next, 256, rows, &r0, &r1)) {
+        if (ctx->phase == 0) {
+            for (int64_t r = r0; r < r1; r++) {
+                __m512 acc = _mm512_setzero_ps();
+                const char *o = (const char *)g->out + r * dv * oe;
+                const char *dd = (const char *)g->dout + r * dv * de;
+                for (int64_t c = 0; c < dv; c += 16)
+                    acc = _mm512_fmadd_ps(ak_load_row16(o, g->out_dtype, c),
+                                          ak_load_row16(dd, g->dout_dtype, c), acc);
+                g->delta[r] = _mm512_reduce_add_ps(acc) - (g->dlse ? g->dlse[r] : 0.0f);
+            }
+            for (int64_t t = 0; t < a->threads; t++)
+                memset(g->dq + (t * rows + r0) * d, 0, (size_t)((r1 - r0) * d) * 4);
+        } else {
+            for (int64_t t = 1; t < a->threads; t++) {
+                const float *src = g->dq + (t * rows + r0) * d;
+                float *dst = g->dq + r0 * d;
+                for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
+                    _mm512_storeu_ps(dst + e, _mm512_add_ps(_mm512_loadu_ps(dst + e),
+                                                            _mm512_loadu_ps(src + e)));
+            }
+        }
+    }
+}
+
+/* The gradients: dQ in the first of dq's `a->threads` buffers. Returns 0, 1 when an input
+ * was not finite (the caller runs another path), or < 0 for arguments it does not run. */
 int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
         return -1;
@@ -860,12 +984,22 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (g->drel != NULL && a->rel == NULL) return -6;
+    if (a->bad == NULL || g->dout_dtype < 0 || g->dout_dtype > 2 || g->out_dtype < 0 ||
+        g->out_dtype > 2)
+        return -7;
+    ak_rows_ctx rc0 = {a, g, 0, 0};
+    ak_pool_run(ak_rows_worker, &rc0, a->threads);
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     /* items of up to AK_SB key blocks, while that leaves 8 items a worker */
     int64_t sb = AK_SB;
     while (sb > 1 && a->N * a->Hkv * ((nkb + sb - 1) / sb) < 8 * (int64_t)a->threads) sb /= 2;
     ak_bwd_ctx bc = {a, g, nkb, (a->Lq + AK_FM - 1) / AK_FM, sb, 0};
     ak_pool_run(ak_bwd_worker, &bc, a->threads);
+    if (*a->bad) return 1;
+    if (a->threads > 1) {
+        ak_rows_ctx rc1 = {a, g, 1, 0};
+        ak_pool_run(ak_rows_worker, &rc1, a->threads);
+    }
     return 0;
 }
 
