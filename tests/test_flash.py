@@ -292,6 +292,37 @@ def test_non_finite_inputs_in_both_passes_match_the_fused_executor(where, dtype)
         assert torch.allclose(a[fin].float(), b[fin].float(), atol=2e-2)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(30, 4)), dict(softcap=2.0),
+                                dict(alibi_slopes=torch.rand(4), causal=True)], ids=str)
+@pytest.mark.parametrize("shape", [dict(), dict(hkv=1, d=64, dv=16, lq=140, lk=203)], ids=str)
+def test_dropout_replays_the_reference_keep_mask_in_both_passes(kw, shape):
+    q, k, v = _qkv(grad=True, **shape)
+    kw = dict(kw, dropout_p=0.3, seed=2**40 + 12345, offset=7)
+    assert backends.select(build_spec(q, k, v, **kw)) is flash
+    w = torch.linspace(-1, 1, v.shape[-1])
+    out = attnkit.attention(q, k, v, **kw)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r = ref(qd, kd, vd, **kw)
+    want = torch.autograd.grad((r * w.double()).sum(), (qd, kd, vd))
+    assert (out.double() - r).abs().max().item() < 3e-6
+    for a, b in zip(got, want):
+        assert (a.double() - b).abs().max().item() < 2e-5
+    other = attnkit.attention(q, k, v, **dict(kw, seed=kw["seed"] + 1))
+    assert (other - out).abs().max().item() > 1e-2  # (another seed, another mask)
+
+
+def test_dropout_in_bfloat16_keeps_the_rule():
+    q, k, v = _qkv(dtype=torch.bfloat16, lq=257, d=64)
+    kw = dict(causal=True, dropout_p=0.2, seed=3)
+    out = attnkit.attention(q, k, v, **kw)
+    r = ref(q.double(), k.double(), v.double(), **kw)
+    plain = attnkit.attention(q.float(), k.float(), v.float(), backend="tiled",
+                              **kw).bfloat16()
+    ok, err, base = fa_tolerance_ok(out, r, plain, mult=3.0)
+    assert ok, (err, base)
+
+
 def test_threads_do_not_change_the_bits():
     q, k, v = _qkv(n=1, hq=2, hkv=2, lq=333, d=64)
     old = torch.get_num_threads()
@@ -316,7 +347,8 @@ def test_strided_inputs():
 @pytest.mark.parametrize("kw, why", [
     (dict(mask=torch.ones(150, 150, dtype=torch.bool)), "mask"),
     (dict(bias=torch.zeros(150, 150)), "bias"),
-    (dict(dropout_p=0.1, seed=0), "dropout"),
+    (dict(dropout_p=0.1, dropout_mask=torch.ones(150, 150, dtype=torch.bool)), "dropout_mask"),
+    (dict(dropout_p=1.0, seed=0), "dropout"),
     (dict(mask=lambda b, h, i, j: i >= j), "mask_mod"),
     (dict(score_mod=score_mods.softcap(3.0)), "score_mod"),
     (dict(mask=masks.dilated_sliding_window(8, 2)), "interval"),

@@ -44,7 +44,7 @@ CAPS = Capabilities(
     name="flash",
     features=frozenset({"window", "mask_mod", "block_mask", "seqlens_q", "seqlens_kv",
                         "starts_kv", "segments", "batch_segments", "row_offset", "alibi",
-                        "softcap", "sinks", "additive_score_mod", "score_mod_grad"}),
+                        "softcap", "sinks", "additive_score_mod", "score_mod_grad", "dropout"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
     max_head_dim=256,
@@ -54,8 +54,7 @@ CAPS = Capabilities(
          "bias_grad": "a bias tensor is read by the fused and tiled executors",
          "alibi_rows": "per-row ALiBi slopes are not a kernel term",
          "score_mod": "a score_mod is Python; the kernel evaluates only analytic terms",
-         "dropout": "the kernel has no dropout",
-         "dropout_mask": "the kernel has no dropout",
+         "dropout_mask": "a keep-mask tensor is read by the tiled executor",
          "max_scores": "the kernel does not report row maxima",
          "p_scale": "the kernel does not quantize the softmax weights",
          "paged_kv": "paged caches are the decode executor's",
@@ -91,6 +90,8 @@ def extra_reasons(spec: AttentionSpec) -> List[str]:
         why.append("flash evaluates only the relative_bias score_mod builtin")
     if spec.q.dtype != spec.k.dtype or spec.v.dtype != spec.q.dtype:
         why.append("flash needs q, k and v in one dtype")
+    if "dropout" in spec.features() and (spec.dropout_p >= 1.0 or max(spec.n, spec.hq) > 2**16):
+        why.append("flash runs dropout with 0 < p < 1 and at most 65536 batch rows and heads")
     return why
 
 
@@ -324,6 +325,8 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     lo, hi = (x.clamp(lim.min, lim.max) for x in (lo, hi))
     t = native.FlashTerms(lo=lo, hi=hi, segments=segments, softcap=spec.softcap or 0.0,
                           sinks=spec.sinks)
+    if "dropout" in spec.features():
+        t.dropout = (spec.dropout_p, spec.seed, spec.offset)
     if spec.alibi_slopes is not None:
         t.alibi, t.ipos = spec.alibi_slopes.reshape(-1, spec.hq), ip
     table = _table_of(spec)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -739,7 +740,10 @@ class _FlashArgs(ctypes.Structure):
                 ("alibi", _P), ("alibi_bstride", _I64), ("ipos", _P), ("ipos_bstride", _I64),
                 ("rel", _P), ("rel_hstride", _I64), ("rel_base", _I64), ("sinks", _P),
                 ("kt", _P), ("vf", _P), ("out", _P), ("lse", _P), ("ws", _P),
-                ("threads", _I32), ("bf16dot", _I32), ("out_dtype", _I32), ("bad", _P)]
+                ("threads", _I32), ("bf16dot", _I32), ("out_dtype", _I32), ("bad", _P),
+                ("dropout", _I32), ("drop_threshold", ctypes.c_uint32),
+                ("drop_offset", ctypes.c_uint32), ("drop_seed", ctypes.c_uint64),
+                ("drop_scale", _F32)]
 
 
 class _FlashGrads(ctypes.Structure):
@@ -778,7 +782,8 @@ class FlashTerms:
     (``-slope * |ipos - j|``), a relative table ``rel (Hq|1, T)`` read at ``j - i + rel_base``
     (every visited key block must index inside it: ``T >= rel_base + nkb * FLASH_BLOCK`` and
     ``rel_base >= Lq - 1``), ``sinks (Hq,)`` one extra logit per head (forward only: its
-    gradient is the caller's)."""
+    gradient is the caller's). ``dropout = (p, seed, offset)``: weights dropped after the
+    softmax's sum, kept ones scaled by ``1 / (1 - p)``."""
 
     lo: Tensor
     hi: Tensor
@@ -789,6 +794,9 @@ class FlashTerms:
     rel: Optional[Tensor] = None
     rel_base: int = 0
     sinks: Optional[Tensor] = None
+    #: dropout: ``(p, seed, offset)`` with ``0 < p < 1``, the keep decisions of
+    #: :func:`attnkit.dropout.keep_mask` for (batch row, query head, row, key)
+    dropout: Optional[Tuple[float, int, int]] = None
 
 
 def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, backward: bool
@@ -857,6 +865,16 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
         a.rel, a.rel_hstride = rt.data_ptr(), (rt.shape[1] if rt.shape[0] > 1 else 0)
         a.rel_base = base
         keep.append(rt)
+    if t.dropout is not None:
+        p, seed, offset = t.dropout
+        if not 0.0 < p < 1.0 or not 0 <= seed < 2**64 or not 0 <= offset < 2**32 or (
+                n > 2**16 or hq > 2**16):
+            raise ValueError(f"flash: dropout needs 0 < p < 1, a 64-bit seed, a 32-bit offset "
+                             f"and at most 65536 batch rows and heads; got p={p}, seed={seed}, "
+                             f"offset={offset}, N={n}, Hq={hq}")
+        a.dropout, a.drop_seed, a.drop_offset = 1, seed, offset
+        a.drop_threshold = math.ceil(p * 2.0**24)
+        a.drop_scale = 1.0 / (1.0 - p)
     if t.sinks is not None and not backward:
         sk_t = t.sinks.detach().to(torch.float32).reshape(-1).contiguous()
         if sk_t.numel() != hq:

@@ -67,6 +67,12 @@ typedef struct {
     int32_t bf16dot;
     int32_t out_dtype; /* out: 0 float32, 1 bfloat16, 2 float16 */
     int32_t *bad;      /* set to 1 when an input holds a NaN or an infinity */
+    /* dropout (attnkit/dropout.py's Philox-4x32-10, bit for bit): weight (b, h, i, j) is kept
+     * when (word0 >> 8) >= drop_threshold, kept weights scaled by drop_scale */
+    int32_t dropout;
+    uint32_t drop_threshold, drop_offset;
+    uint64_t drop_seed;
+    float drop_scale;
 } ak_flash_args;
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
@@ -120,6 +126,37 @@ static inline void ak_store_row16(void *p, int dtype, int64_t i, __m512 x) {
         h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, qn));
     }
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+/* Which of keys j0 .. j0 + 15 of row i, batch/head word c2 the dropout keeps: Philox's counter
+ * (j, i, c2, offset) and key (seed mod 2^32, seed / 2^32), two registers of 8 counters (one a
+ * 64-bit lane: _mm512_mul_epu32 reads the low 32 bits, so the words may carry garbage above
+ * them until the end), as philox.c does. */
+static inline __mmask16 ak_keep16(const ak_flash_args *a, int32_t j0, int64_t i, uint32_t c2) {
+    const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
+    const __m512i j8 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    __m512i xa0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0));
+    __m512i xb0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0 + 8));
+    __m512i xa1 = _mm512_set1_epi64((uint32_t)i), xb1 = xa1;
+    __m512i xa2 = _mm512_set1_epi64(c2), xb2 = xa2;
+    __m512i xa3 = _mm512_set1_epi64(a->drop_offset), xb3 = xa3;
+    uint32_t key0 = (uint32_t)(a->drop_seed & 0xFFFFFFFFu), key1 = (uint32_t)(a->drop_seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+        const __m512i k0 = _mm512_set1_epi64(key0), k1 = _mm512_set1_epi64(key1);
+        const __m512i pa0 = _mm512_mul_epu32(xa0, m0), pa1 = _mm512_mul_epu32(xa2, m1);
+        const __m512i pb0 = _mm512_mul_epu32(xb0, m0), pb1 = _mm512_mul_epu32(xb2, m1);
+        xa0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa1, 32), xa1, k0, 0x96);
+        xa2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa0, 32), xa3, k1, 0x96);
+        xb0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb1, 32), xb1, k0, 0x96);
+        xb2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb0, 32), xb3, k1, 0x96);
+        xa1 = pa1, xa3 = pa0, xb1 = pb1, xb3 = pb0;
+        key0 += 0x9E3779B9u;
+        key1 += 0xBB67AE85u;
+    }
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(xa0)),
+                                         _mm512_cvtepi64_epi32(xb0), 1);
+    return _mm512_cmpge_epu32_mask(_mm512_srli_epi32(w, 8),
+                                   _mm512_set1_epi32((int)a->drop_threshold));
 }
 
 /* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by its Taylor
@@ -539,6 +576,10 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                     p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
                     sum = _mm512_add_ps(sum, p[u]);
                 }
+                if (a->dropout) /* the softmax sums every weight; P V only the kept ones */
+                    for (int u = 0; u < 4; u++)
+                        p[u] = _mm512_maskz_mov_ps(
+                            ak_keep16(a, j0 + 16 * u, i0 + rr, (uint32_t)(h + (n << 16))), p[u]);
 #ifdef AK_FLASH_BF16
                 if (a->bf16dot) {
                     uint16_t *pr = (uint16_t *)pbuf + r * AK_FN;
@@ -572,7 +613,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         }
         const float w = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mf);
         const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
-        const __m512 f = _mm512_set1_ps(w / total);
+        const __m512 f = _mm512_set1_ps(w / total * (a->dropout ? a->drop_scale : 1.0f));
         for (int64_t c = 0; c < dv; c += 16)
             ak_store_row16(orow, a->out_dtype, c,
                            _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
@@ -873,8 +914,27 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                         }
                         const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
                         for (int u = 0; u < 4; u++) {
-                            const __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
-                            __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[r][u], db));
+                            __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
+                            __m512 dpu = dp[r][u];
+                            if (a->dropout) { /* dS = P (Z dP - D), dV += (Z P)^T dO */
+                                const __mmask16 keep = ak_keep16(a, j0 + 16 * u, i0 + rr,
+                                                                 (uint32_t)(h + (n << 16)));
+                                const __m512 zs = _mm512_set1_ps(a->drop_scale);
+                                dpu = _mm512_maskz_mul_ps(keep, dpu, zs);
+                                __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
+                                p = _mm512_maskz_mul_ps(keep, p, zs);
+                                if (drel != NULL) {
+                                    float *dr = drel + j0 - rr + 16 * u;
+                                    _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
+                                }
+                                if (capped)
+                                    ds = _mm512_mul_ps(
+                                        ds, _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
+                                _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
+                                _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                                continue;
+                            }
+                            __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
                             if (drel != NULL) { /* the table's term is added after softcap */
                                 float *dr = drel + j0 - rr + 16 * u;
                                 _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
