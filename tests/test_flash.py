@@ -312,6 +312,29 @@ def test_dropout_replays_the_reference_keep_mask_in_both_passes(kw, shape):
     assert (other - out).abs().max().item() > 1e-2  # (another seed, another mask)
 
 
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("dims", [(64, 64), (64, 16)], ids=str)
+def test_bfloat16_gradients_keep_the_rule(dot, dims, monkeypatch):
+    """dq, dk, dv with bfloat16 dot products (d and dv multiples of 32) or float32 arithmetic,
+    within 3x the error of the naive bfloat16 computation (FlashAttention's rule for
+    gradients)."""
+    monkeypatch.setattr(native, "FLASH_BF16_DOT", dot)
+    d, dv = dims
+    q, k, v = _qkv(dtype=torch.bfloat16, lq=300, d=d, dv=dv, grad=True)
+    w = torch.randn(2, 4, 300, dv)
+    mask = torch.ones(300, 300, dtype=torch.bool).tril()
+    for kw, m in ((dict(causal=True), mask), (dict(), None)):
+        got = torch.autograd.grad((attnkit.attention(q, k, v, **kw).float() * w).sum(),
+                                  (q, k, v))
+        plain = torch.autograd.grad((naive_attention(q, k, v, mask=m).float() * w).sum(),
+                                    (q, k, v))
+        dbl = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        want = torch.autograd.grad((ref(*dbl, **kw) * w.double()).sum(), dbl)
+        for a, b, c in zip(got, plain, want):
+            ok, err, base = fa_tolerance_ok(a, c, b, mult=3.0)
+            assert ok, (kw, err, base)
+
+
 def test_dropout_in_bfloat16_keeps_the_rule():
     q, k, v = _qkv(dtype=torch.bfloat16, lq=257, d=64)
     kw = dict(causal=True, dropout_p=0.2, seed=3)

@@ -18,7 +18,8 @@ only through ``out`` and ``lse``.
 
 bfloat16 inputs (head dim a multiple of 32, a CPU with AVX512-BF16) compute ``q.k`` and
 ``P V`` in bfloat16 dot products (float32 sums; P rounded to bfloat16 as torch's bfloat16
-kernels round it), twice float32's multiply-adds an instruction;
+kernels round it), twice float32's multiply-adds an instruction, and so do the backward's
+five products (also Dv a multiple of 32; P and dS rounded to bfloat16 for them);
 ``native.FLASH_BF16_DOT = False`` keeps float32 arithmetic for them.
 
 Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
@@ -38,6 +39,7 @@ from .. import native
 from ..masks import structure_of
 from ..mods import info_of
 from ..spec import AttentionSpec
+from . import workers
 from .base import Capabilities, ForwardResult, Grads, not_supported_reasons
 
 CAPS = Capabilities(
@@ -290,23 +292,32 @@ def mask_intervals(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor]]:
     if r is None or bm is None:
         return r
     lo, hi = torch.broadcast_tensors(*r)
+    key = (spec.n, spec.lq, spec.lk, id(bm.mask_mod))
+    agrees = bm.__dict__.setdefault("_flash_agrees", {})  # (checked once per mask and shape)
+    if key not in agrees:
+        with workers.one_thread():
+            agrees[key] = _blocks_agree(bm, lo, hi, spec.lq, spec.lk)
+    return (lo, hi) if agrees[key] else None
+
+
+def _blocks_agree(bm: Any, lo: Tensor, hi: Tensor, lq: int, lk: int) -> bool:
+    """Whether every block ``bm`` lists full is full under the intervals and every block it
+    does not list is empty."""
     bq, bk = bm.BLOCK_SIZE
     kinds = bm.block_kinds()  # (B|1, H|1, NQ, NK)
     nqb, nkb = kinds.shape[-2:]
     k0 = torch.arange(nkb) * bk
-    k1 = torch.clamp(k0 + bk, max=spec.lk)
+    k1 = torch.clamp(k0 + bk, max=lk)
     lo3, hi3 = lo.unsqueeze(-1), hi.unsqueeze(-1)  # (N|1, Lq, 1)
     sees = (lo3 < k1) & (hi3 > k0) & (lo3 < hi3)  # row sees some key of the block
     whole = (lo3 <= k0) & (hi3 >= k1)
-    pad = nqb * bq - spec.lq
+    pad = nqb * bq - lq
     if pad > 0:  # rows past Lq: they see nothing and never make a block less full
         sees = torch.nn.functional.pad(sees, (0, 0, 0, pad), value=False)
         whole = torch.nn.functional.pad(whole, (0, 0, 0, pad), value=True)
     any_ = sees[:, :nqb * bq].reshape(sees.shape[0], nqb, bq, nkb).any(2).unsqueeze(1)
     full = whole[:, :nqb * bq].reshape(whole.shape[0], nqb, bq, nkb).all(2).unsqueeze(1)
-    if bool(((kinds == 2) & ~full).any()) or bool(((kinds == 0) & any_).any()):
-        return None
-    return lo, hi
+    return not (bool(((kinds == 2) & ~full).any()) or bool(((kinds == 0) & any_).any()))
 
 
 def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
@@ -338,7 +349,8 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
     inputs' dtype."""
-    t = terms(spec)
+    with workers.one_thread():  # (small ops on (N, Lq) rows: no parallel region each)
+        t = terms(spec)
     res = None
     if t is not None:
         try:
@@ -363,7 +375,8 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
     table_grad = bool(spec.score_mod_params)
     if not table_grad or (table is not None and len(spec.score_mod_params) == 1
                           and spec.score_mod_params[0] is table):
-        t = terms(spec)
+        with workers.one_thread():
+            t = terms(spec)
     if t is not None:
         try:
             res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, out, lse,

@@ -974,6 +974,8 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
                     dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr())
     if drel is not None:
         g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
+    a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and do_c.dtype == torch.bfloat16
+                    and d % 32 == 0 and dv % 32 == 0 and bool(_state["info"].get("flash_bf16")))
     rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
     del keep
     if rc == 1:

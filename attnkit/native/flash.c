@@ -258,7 +258,57 @@ static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint
         for (int r = 0; r < AK_FR; r++) _mm512_storeu_ps(o + r * dv + c0, acc[r]);
     }
 }
+
+/* acc[64 keys][cols] += X^T Y over 2 RP rows in bfloat16 pairs of rows: xp[rp][AK_FN] holds
+ * (X[2rp][j], X[2rp + 1][j]), yp[rp][cols] holds (Y[2rp][c], Y[2rp + 1][c]) */
+static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const uint32_t *yp,
+                            int64_t RP, int64_t nk) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 4) {
+        int64_t c0 = 0;
+        for (; c0 + 64 <= cols; c0 += 64) {
+            __m512 t[4][4];
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 4; u++)
+                    t[jj][u] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0 + 16 * u);
+            for (int64_t r = 0; r < RP; r++) {
+                const uint32_t *yr = yp + r * cols + c0;
+                const __m512bh y0 = (__m512bh)_mm512_loadu_si512((const void *)yr);
+                const __m512bh y1 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 16));
+                const __m512bh y2 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 32));
+                const __m512bh y3 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 48));
+                for (int jj = 0; jj < 4; jj++) {
+                    const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * AK_FN + j0 + jj]);
+                    t[jj][0] = _mm512_dpbf16_ps(t[jj][0], xb, y0);
+                    t[jj][1] = _mm512_dpbf16_ps(t[jj][1], xb, y1);
+                    t[jj][2] = _mm512_dpbf16_ps(t[jj][2], xb, y2);
+                    t[jj][3] = _mm512_dpbf16_ps(t[jj][3], xb, y3);
+                }
+            }
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 4; u++)
+                    _mm512_storeu_ps(acc + (j0 + jj) * cols + c0 + 16 * u, t[jj][u]);
+        }
+        for (; c0 < cols; c0 += 16) {
+            __m512 t[4];
+            for (int jj = 0; jj < 4; jj++) t[jj] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0);
+            for (int64_t r = 0; r < RP; r++) {
+                const __m512bh yv = (__m512bh)_mm512_loadu_si512((const void *)(yp + r * cols + c0));
+                for (int jj = 0; jj < 4; jj++)
+                    t[jj] = _mm512_dpbf16_ps(
+                        t[jj], (__m512bh)_mm512_set1_epi32((int)xp[r * AK_FN + j0 + jj]), yv);
+            }
+            for (int jj = 0; jj < 4; jj++) _mm512_storeu_ps(acc + (j0 + jj) * cols + c0, t[jj]);
+        }
+    }
+}
 #endif
+
+/* 16 columns of rows a and b (bfloat16 bits) as 16 pairs (a[c], b[c]) */
+static inline __m512i ak_pair16(const uint16_t *ra, const uint16_t *rb) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)ra));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)rb));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
 
 /* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
 
@@ -351,6 +401,49 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
         }
     }
     if (bad) ak_flag_bad(a);
+}
+
+/* The score terms of one query row on one key block, in place on its four vectors of
+ * scores (base 2, after the scale): softcap (with capd: 1 - tanh^2 stored there for the
+ * backward), ALiBi, the relative table (tr: its entry for key j0 of this row), then the
+ * visible interval [lo, hi) and the segment test unless the block is known full. */
+static inline void ak_row_terms(const ak_flash_args *a, __m512 s[4], int32_t j0, float ipf,
+                                float slope, const float *tr, int32_t lo, int32_t hi,
+                                const int32_t *kseg, int32_t qsg, int full, float *capd) {
+    static const float LOG2E = 1.4426950408889634f;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (a->softcap > 0.0f) {
+        const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
+        const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
+        for (int u = 0; u < 4; u++) {
+            const __m512 th = ak_tanh(_mm512_mul_ps(s[u], inv));
+            if (capd != NULL)
+                _mm512_storeu_ps(capd + 16 * u, _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
+            s[u] = _mm512_mul_ps(th, cl);
+        }
+    }
+    if (a->alibi) {
+        const __m512 ip = _mm512_set1_ps(ipf), sl = _mm512_set1_ps(slope);
+        for (int u = 0; u < 4; u++) {
+            const __m512 jf = _mm512_cvtepi32_ps(
+                _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
+            s[u] = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)), s[u]);
+        }
+    }
+    if (tr != NULL)
+        for (int u = 0; u < 4; u++) s[u] = _mm512_add_ps(s[u], _mm512_loadu_ps(tr + 16 * u));
+    if (!full) {
+        const __m512i a0 = _mm512_set1_epi32(lo), a1 = _mm512_set1_epi32(hi);
+        for (int u = 0; u < 4; u++) {
+            const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u));
+            __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) & _mm512_cmplt_epi32_mask(j, a1);
+            if (kseg != NULL)
+                vis &= _mm512_cmpeq_epi32_mask(
+                    _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
+                    _mm512_set1_epi32(qsg));
+            s[u] = _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), s[u]);
+        }
+    }
 }
 
 /* ---- the forward ------------------------------------------------------------------------ */
@@ -486,8 +579,6 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
     const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
     const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const int64_t kb0 = kmax > kmin ? kmin / AK_FN : 0;
     const int64_t kb1 = kmax > kmin ? (kmax + AK_FN - 1) / AK_FN : 0;
     for (int64_t kb = kb0; kb < kb1; kb++) {
@@ -525,39 +616,8 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             float alpha[AK_FR];
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
-                if (capped) {
-                    const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
-                    const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
-                    for (int u = 0; u < 4; u++)
-                        s[r][u] = _mm512_mul_ps(ak_tanh(_mm512_mul_ps(s[r][u], inv)), cl);
-                }
-                if (a->alibi) {
-                    const __m512 ip = _mm512_set1_ps(ipf[rr]), sl = _mm512_set1_ps(slope);
-                    for (int u = 0; u < 4; u++) {
-                        const __m512 jf = _mm512_cvtepi32_ps(
-                            _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
-                        const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(ip, jf));
-                        s[r][u] = _mm512_fnmadd_ps(sl, dist, s[r][u]);
-                    }
-                }
-                if (rel != NULL) {
-                    const float *tr = rel + j0 - rr;
-                    for (int u = 0; u < 4; u++)
-                        s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
-                }
-                if (!full) {
-                    const __m512i a0 = _mm512_set1_epi32(lo[rr]), a1 = _mm512_set1_epi32(hi[rr]);
-                    for (int u = 0; u < 4; u++) {
-                        const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u));
-                        __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
-                                        _mm512_cmplt_epi32_mask(j, a1);
-                        if (kseg != NULL)
-                            vis &= _mm512_cmpeq_epi32_mask(
-                                _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
-                                _mm512_set1_epi32(qs[rr]));
-                        s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
-                    }
-                }
+                ak_row_terms(a, s[r], j0, ipf[rr], slope, rel != NULL ? rel + j0 - rr : NULL,
+                             lo[rr], hi[rr], kseg, qs[rr], full, NULL);
                 const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
                                                  _mm512_max_ps(s[r][2], s[r][3]));
                 const float mx = _mm512_reduce_max_ps(mx4);
@@ -727,22 +787,53 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
 }
 
 /* Pack key block kb (transposed K and V, K rows as float32) into kt, vt, kn. */
+/* Pack key block kb for the backward: float32 K^T, V^T and K rows (kt, vt, kn), or with
+ * bf16dot the same as bfloat16 pairs: K^T and V^T pairs of dims (one key a lane) and K pairs
+ * of keys (kp[jp][c] = (K[2jp][c], K[2jp + 1][c])). */
 static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *vbase, int32_t j0,
                         int64_t nk, float *kt, float *vt, float *kn, float *stage) {
     const int64_t d = a->d, dv = a->dv;
     const size_t esz = a->dtype == 0 ? 4 : 2;
-    __mmask16 bad = 0;
+    int bad = 0;
+    if (a->bf16dot) {
+        uint32_t *ktp = (uint32_t *)kt, *vtp = (uint32_t *)vt, *kp = (uint32_t *)kn;
+        static const uint16_t zero[AK_FD] = {0};
+        for (int64_t jj = 0; jj < AK_FN; jj++) {
+            const uint32_t *kr = (const uint32_t *)(kbase + (j0 + jj) * a->ks[2] * esz);
+            const uint32_t *vr = (const uint32_t *)(vbase + (j0 + jj) * a->vs[2] * esz);
+            for (int64_t c = 0; c < d / 2; c++) ktp[c * AK_FN + jj] = jj < nk ? kr[c] : 0u;
+            for (int64_t c = 0; c < dv / 2; c++) vtp[c * AK_FN + jj] = jj < nk ? vr[c] : 0u;
+            if (jj < nk) {
+                for (int64_t c = 0; c < d; c += 32)
+                    bad |= ak_nonfinite_bf16(_mm512_loadu_si512((const void *)((const uint16_t *)kr + c))) != 0;
+                for (int64_t c = 0; c < dv; c += 32)
+                    bad |= ak_nonfinite_bf16(_mm512_loadu_si512((const void *)((const uint16_t *)vr + c))) != 0;
+            }
+        }
+        for (int64_t jp = 0; jp < AK_FN / 2; jp++) {
+            const int64_t ja = 2 * jp, jb = 2 * jp + 1;
+            const uint16_t *ra = ja < nk ? (const uint16_t *)(kbase + (j0 + ja) * a->ks[2] * esz)
+                                         : zero;
+            const uint16_t *rb = jb < nk ? (const uint16_t *)(kbase + (j0 + jb) * a->ks[2] * esz)
+                                         : zero;
+            for (int64_t c = 0; c < d; c += 16)
+                _mm512_storeu_si512((void *)(kp + jp * d + c), ak_pair16(ra + c, rb + c));
+        }
+        if (bad) ak_flag_bad(a);
+        return;
+    }
+    __mmask16 badm = 0;
     for (int64_t jj = 0; jj < AK_FN; jj++) {
         for (int64_t c = 0; c < d; c += 16) {
             __m512 x = _mm512_setzero_ps();
             if (jj < nk) x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c);
-            bad |= ak_nonfinite(x);
+            badm |= ak_nonfinite(x);
             _mm512_storeu_ps(kn + jj * d + c, x);
         }
         for (int64_t c = 0; c < dv; c += 16) {
             __m512 x = _mm512_setzero_ps();
             if (jj < nk) x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz, a->dtype, c);
-            bad |= ak_nonfinite(x);
+            badm |= ak_nonfinite(x);
             _mm512_storeu_ps(stage + jj * dv + c, x);
         }
     }
@@ -750,16 +841,18 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
         for (int64_t jj = 0; jj < AK_FN; jj++) kt[c * AK_FN + jj] = kn[jj * d + c];
     for (int64_t c = 0; c < dv; c++)
         for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = stage[jj * dv + c];
-    if (bad) ak_flag_bad(a);
+    if (badm) ak_flag_bad(a);
 }
 
 /* One work item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head). Each query
- * block's rows are loaded once for all of them and its dQ tile added once. */
+ * block's rows are loaded once for all of them and its dQ tile added once. With bf16dot the
+ * five products run in bfloat16 pairs (P and dS rounded to bfloat16 for them, as torch's
+ * bfloat16 backward rounds them); the softmax and dS stay float32. */
 static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
                         int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker) {
     const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
     static const float LOG2E = 1.4426950408889634f;
-    const int capped = a->softcap > 0.0f;
+    const int capped = a->softcap > 0.0f, bf = a->bf16dot;
     const float qmul = capped ? a->scale : a->scale * LOG2E;
     const size_t esz = a->dtype == 0 ? 4 : 2;
     const int64_t nb = kb1 - kb0;
@@ -773,6 +866,12 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     float *dqt = dobuf + AK_FM * AK_FD;
     float *pb = dqt + AK_FM * AK_FD, *dsb = pb + AK_FM * AK_FN;
     float *capd = dsb + AK_FM * AK_FN; /* 1 - tanh^2 with softcap */
+    /* bfloat16 layouts (bf16dot): raw q and dO rows, their row pairs, P and dS as row pairs
+     * (for dV and dK) and dS rows (for dQ) */
+    uint32_t *qraw = (uint32_t *)qbuf, *qrp = qraw + AK_FM * (d / 2);
+    uint32_t *dor = (uint32_t *)dobuf, *dorp = dor + AK_FM * (dv / 2);
+    uint32_t *ptrp = (uint32_t *)pb, *dstrp = (uint32_t *)dsb, *dsp = dstrp + AK_FM / 2 * AK_FN;
+    float tp[AK_FR][AK_FN], tds[AK_FR][AK_FN];
     int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM];
     float ipf[AK_FM], lsel[AK_FM], dl[AK_FM];
     const char *kbase = (const char *)a->k + (n * a->ks[0] + hk * a->ks[1]) * esz;
@@ -786,8 +885,6 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     memset(dkb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
     memset(dvb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
     const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const int64_t bb = n * a->bounds_bstride;
     const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
     const size_t doe = gr->dout_dtype == 0 ? 4 : 2;
@@ -817,28 +914,55 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                 if (r < nrows) {
                     const int64_t i = i0 + r;
                     const char *qr = qbase + i * a->qs[2] * esz;
-                    __mmask16 badq = 0;
-                    for (int64_t c = 0; c < d; c += 16) {
-                        const __m512 x = ak_load_row16(qr, a->dtype, c);
-                        badq |= ak_nonfinite(x);
-                        _mm512_storeu_ps(qbuf + r * d + c, _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                    const char *dor_i = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
+                    __mmask32 badq = 0;
+                    if (bf) {
+                        memcpy(qraw + r * (d / 2), qr, (size_t)d * 2);
+                        memcpy(dor + r * (dv / 2), dor_i, (size_t)dv * 2);
+                        for (int64_t c = 0; c < d; c += 32)
+                            badq |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                                (const void *)((const uint16_t *)qr + c)));
+                    } else {
+                        for (int64_t c = 0; c < d; c += 16) {
+                            const __m512 x = ak_load_row16(qr, a->dtype, c);
+                            badq |= ak_nonfinite(x);
+                            _mm512_storeu_ps(qbuf + r * d + c,
+                                             _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                        }
+                        for (int64_t c = 0; c < dv; c += 16)
+                            _mm512_storeu_ps(dobuf + r * dv + c,
+                                             ak_load_row16(dor_i, gr->dout_dtype, c));
                     }
                     if (badq) ak_flag_bad(a);
-                    const char *dor = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
-                    for (int64_t c = 0; c < dv; c += 16)
-                        _mm512_storeu_ps(dobuf + r * dv + c, ak_load_row16(dor, gr->dout_dtype, c));
                     const float l = gr->lse[nh * Lq + i];
                     lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
                     dl[r] = gr->delta[nh * Lq + i];
                     qsg[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
                     ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
                 } else {
-                    memset(qbuf + r * d, 0, (size_t)d * 4);
-                    memset(dobuf + r * dv, 0, (size_t)dv * 4);
+                    if (bf) {
+                        memset(qraw + r * (d / 2), 0, (size_t)d * 2);
+                        memset(dor + r * (dv / 2), 0, (size_t)dv * 2);
+                    } else {
+                        memset(qbuf + r * d, 0, (size_t)d * 4);
+                        memset(dobuf + r * dv, 0, (size_t)dv * 4);
+                    }
                     lo[r] = 0, hi[r] = 0, lsel[r] = INFINITY, dl[r] = 0.0f, qsg[r] = 0;
                     ipf[r] = 0.0f;
                 }
             }
+            if (bf) /* row pairs of q and dO, for dK and dV */
+                for (int64_t rp = 0; rp < padded / 2; rp++) {
+                    const uint16_t *qa = (const uint16_t *)(qraw + 2 * rp * (d / 2));
+                    const uint16_t *qb2 = (const uint16_t *)(qraw + (2 * rp + 1) * (d / 2));
+                    const uint16_t *da = (const uint16_t *)(dor + 2 * rp * (dv / 2));
+                    const uint16_t *db2 = (const uint16_t *)(dor + (2 * rp + 1) * (dv / 2));
+                    for (int64_t c = 0; c < d; c += 16)
+                        _mm512_storeu_si512((void *)(qrp + rp * d + c), ak_pair16(qa + c, qb2 + c));
+                    for (int64_t c = 0; c < dv; c += 16)
+                        _mm512_storeu_si512((void *)(dorp + rp * dv + c),
+                                            ak_pair16(da + c, db2 + c));
+                }
             memset(dqt, 0, sizeof(float) * padded * d);
             for (int64_t b = 0; b < nb; b++) {
                 const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
@@ -860,81 +984,51 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                         full &= a0 <= j0 && a1 >= j0 + AK_FN;
                     }
                     if (!any) {
-                        memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
-                        memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                        if (bf) {
+                            memset(ptrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
+                            memset(dstrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
+                            memset(dsp + r0 * (AK_FN / 2), 0, AK_FR * (AK_FN / 2) * 4);
+                        } else {
+                            memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                            memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+                        }
                         continue;
                     }
                     if (kseg != NULL && full)
                         for (int r = 0; r < AK_FR; r++)
                             full &= kfull_seg && qsg[r0 + r] == kseg[j0];
                     __m512 s[AK_FR][4], dp[AK_FR][4];
-                    ak_scores(qbuf + r0 * d, d, ktb, s);
-                    ak_scores(dobuf + r0 * dv, dv, vtb, dp);
+#ifdef AK_FLASH_BF16
+                    if (bf) {
+                        ak_scores_bf(qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s);
+                        ak_scores_bf(dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp);
+                        const __m512 qm = _mm512_set1_ps(qmul);
+                        for (int r = 0; r < AK_FR; r++)
+                            for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+                    } else
+#endif
+                    {
+                        ak_scores(qbuf + r0 * d, d, ktb, s);
+                        ak_scores(dobuf + r0 * dv, dv, vtb, dp);
+                    }
                     for (int r = 0; r < AK_FR; r++) {
                         const int64_t rr = r0 + r;
-                        if (capped) {
-                            const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
-                            const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
-                            for (int u = 0; u < 4; u++) {
-                                const __m512 th = ak_tanh(_mm512_mul_ps(s[r][u], inv));
-                                _mm512_storeu_ps(capd + rr * AK_FN + 16 * u,
-                                                 _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
-                                s[r][u] = _mm512_mul_ps(th, cl);
-                            }
-                        }
-                        if (a->alibi) {
-                            const __m512 ip = _mm512_set1_ps(ipf[rr]);
-                            const __m512 sl = _mm512_set1_ps(slope);
-                            for (int u = 0; u < 4; u++) {
-                                const __m512 jf = _mm512_cvtepi32_ps(
-                                    _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
-                                s[r][u] = _mm512_fnmadd_ps(
-                                    sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)), s[r][u]);
-                            }
-                        }
-                        if (rel != NULL) {
-                            const float *tr = rel + j0 - rr;
-                            for (int u = 0; u < 4; u++)
-                                s[r][u] = _mm512_add_ps(s[r][u], _mm512_loadu_ps(tr + 16 * u));
-                        }
-                        if (!full) {
-                            const __m512i a0 = _mm512_set1_epi32(lo[rr]);
-                            const __m512i a1 = _mm512_set1_epi32(hi[rr]);
-                            for (int u = 0; u < 4; u++) {
-                                const __m512i j = _mm512_add_epi32(
-                                    iota, _mm512_set1_epi32(j0 + 16 * u));
-                                __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) &
-                                                _mm512_cmplt_epi32_mask(j, a1);
-                                if (kseg != NULL)
-                                    vis &= _mm512_cmpeq_epi32_mask(
-                                        _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
-                                        _mm512_set1_epi32(qsg[rr]));
-                                s[r][u] = _mm512_mask_blend_ps(vis, ninf, s[r][u]);
-                            }
-                        }
+                        ak_row_terms(a, s[r], j0, ipf[rr], slope,
+                                     rel != NULL ? rel + j0 - rr : NULL, lo[rr], hi[rr], kseg,
+                                     qsg[rr], full, capped ? capd + rr * AK_FN : NULL);
                         const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
                         for (int u = 0; u < 4; u++) {
                             __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
                             __m512 dpu = dp[r][u];
+                            __mmask16 keep = 0xffff;
+                            const __m512 zs = _mm512_set1_ps(a->drop_scale);
                             if (a->dropout) { /* dS = P (Z dP - D), dV += (Z P)^T dO */
-                                const __mmask16 keep = ak_keep16(a, j0 + 16 * u, i0 + rr,
-                                                                 (uint32_t)(h + (n << 16)));
-                                const __m512 zs = _mm512_set1_ps(a->drop_scale);
+                                keep = ak_keep16(a, j0 + 16 * u, i0 + rr,
+                                                 (uint32_t)(h + (n << 16)));
                                 dpu = _mm512_maskz_mul_ps(keep, dpu, zs);
-                                __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
-                                p = _mm512_maskz_mul_ps(keep, p, zs);
-                                if (drel != NULL) {
-                                    float *dr = drel + j0 - rr + 16 * u;
-                                    _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
-                                }
-                                if (capped)
-                                    ds = _mm512_mul_ps(
-                                        ds, _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
-                                _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
-                                _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
-                                continue;
                             }
                             __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
+                            if (a->dropout) p = _mm512_maskz_mul_ps(keep, p, zs);
                             if (drel != NULL) { /* the table's term is added after softcap */
                                 float *dr = drel + j0 - rr + 16 * u;
                                 _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
@@ -942,11 +1036,54 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                             if (capped)
                                 ds = _mm512_mul_ps(ds,
                                                    _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
-                            _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
-                            _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                            if (bf) {
+                                _mm512_storeu_ps(tp[r] + 16 * u, p);
+                                _mm512_storeu_ps(tds[r] + 16 * u, ds);
+                            } else {
+                                _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
+                                _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                            }
                         }
                     }
+#ifdef AK_FLASH_BF16
+                    if (bf) /* P and dS in bfloat16: row pairs (dV, dK) and rows (dQ) */
+                        for (int r = 0; r < AK_FR; r += 2) {
+                            const int64_t rp = (r0 + r) / 2;
+                            for (int u = 0; u < 4; u++) {
+                                const __m512i pa = _mm512_cvtepu16_epi32(
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tp[r] + 16 * u)));
+                                const __m512i pb2 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_loadu_ps(tp[r + 1] + 16 * u)));
+                                _mm512_storeu_si512((void *)(ptrp + rp * AK_FN + 16 * u),
+                                                    _mm512_or_si512(pa, _mm512_slli_epi32(pb2, 16)));
+                                const __m512i sa = _mm512_cvtepu16_epi32(
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tds[r] + 16 * u)));
+                                const __m512i sb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_loadu_ps(tds[r + 1] + 16 * u)));
+                                _mm512_storeu_si512((void *)(dstrp + rp * AK_FN + 16 * u),
+                                                    _mm512_or_si512(sa, _mm512_slli_epi32(sb, 16)));
+                            }
+                            for (int q2 = 0; q2 < 2; q2++)
+                                for (int u = 0; u < 4; u += 2)
+                                    _mm512_storeu_si512(
+                                        (void *)(dsp + (r0 + r + q2) * (AK_FN / 2) + 8 * u),
+                                        (__m512i)_mm512_cvtne2ps_pbh(
+                                            _mm512_loadu_ps(tds[r + q2] + 16 * u + 16),
+                                            _mm512_loadu_ps(tds[r + q2] + 16 * u)));
+                        }
+#endif
                 }
+#ifdef AK_FLASH_BF16
+                if (bf) {
+                    const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
+                    ak_tn_bf(dvb + b * AK_FN * AK_FD, dv, ptrp, dorp, padded / 2, nk);
+                    ak_tn_bf(dkb + b * AK_FN * AK_FD, d, dstrp, qrp, padded / 2, nk);
+                    for (int64_t gi = 0; gi < groups; gi++)
+                        ak_pv_bf(dqt + gi * AK_FR * d, d, ones, dsp + gi * AK_FR * (AK_FN / 2),
+                                 (const uint32_t *)(kn + b * AK_FN * AK_FD), (nk + 1) / 2);
+                    continue;
+                }
+#endif
                 ak_tn(dvb + b * AK_FN * AK_FD, dv, pb, dobuf, padded, nk);
                 ak_tn(dkb + b * AK_FN * AK_FD, d, dsb, qbuf, padded, nk);
                 const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
@@ -962,8 +1099,9 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
             }
         }
     }
-    /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul); dV as accumulated */
-    const __m512 kf = _mm512_set1_ps(a->scale / qmul);
+    /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul) (bf16dot: q as given, so scale);
+     * dV as accumulated */
+    const __m512 kf = _mm512_set1_ps(bf ? a->scale : a->scale / qmul);
     for (int64_t b = 0; b < nb; b++) {
         const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
         const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
@@ -1047,6 +1185,11 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->bad == NULL || g->dout_dtype < 0 || g->dout_dtype > 2 || g->out_dtype < 0 ||
         g->out_dtype > 2)
         return -7;
+#ifndef AK_FLASH_BF16
+    if (a->bf16dot) return -5;
+#endif
+    if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->dv % 32 || g->dout_dtype != 1))
+        return -5;
     ak_rows_ctx rc0 = {a, g, 0, 0};
     ak_pool_run(ak_rows_worker, &rc0, a->threads);
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
