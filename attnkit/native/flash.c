@@ -193,6 +193,22 @@ static inline __m512 ak_tanh(__m512 x) {
     return _mm512_or_ps(t, _mm512_and_ps(x, sign));
 }
 
+/* acc[r][u] = o[r * stride + c0 + 16 u] (times alpha[r] unless alpha is NULL), 4 x 4 vectors;
+ * and back */
+static inline void ak_load44(__m512 acc[4][4], const float *o, int64_t stride, int64_t c0,
+                             const float *alpha) {
+    for (int r = 0; r < 4; r++) {
+        const __m512 al = _mm512_set1_ps(alpha != NULL ? alpha[r] : 1.0f);
+        for (int u = 0; u < 4; u++)
+            acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * stride + c0 + 16 * u), al);
+    }
+}
+
+static inline void ak_store44(float *o, int64_t stride, int64_t c0, __m512 acc[4][4]) {
+    for (int r = 0; r < 4; r++)
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * stride + c0 + 16 * u, acc[r][u]);
+}
+
 #if defined(__AVX512BF16__)
 #define AK_FLASH_BF16 1
 /* S = Qg Kt in bfloat16 pairs: q rows of dp 32-bit pairs, kt[cp][AK_FN] pairs of one key */
@@ -223,11 +239,7 @@ static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint
     int64_t c0 = 0;
     for (; c0 + 64 <= dv; c0 += 64) {
         __m512 acc[AK_FR][4];
-        for (int r = 0; r < AK_FR; r++) {
-            const __m512 al = _mm512_set1_ps(alpha[r]);
-            for (int u = 0; u < 4; u++)
-                acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0 + 16 * u), al);
-        }
+        ak_load44(acc, o, dv, c0, alpha);
         for (int64_t j = 0; j < njp; j++) {
             const uint32_t *vr = vp + j * dv + c0;
             const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)vr);
@@ -242,8 +254,7 @@ static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint
                 acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pb, v3);
             }
         }
-        for (int r = 0; r < AK_FR; r++)
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * dv + c0 + 16 * u, acc[r][u]);
+        ak_store44(o, dv, c0, acc);
     }
     for (; c0 < dv; c0 += 16) {
         __m512 acc[AK_FR];
@@ -267,9 +278,7 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
         int64_t c0 = 0;
         for (; c0 + 64 <= cols; c0 += 64) {
             __m512 t[4][4];
-            for (int jj = 0; jj < 4; jj++)
-                for (int u = 0; u < 4; u++)
-                    t[jj][u] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0 + 16 * u);
+            ak_load44(t, acc + j0 * cols, cols, c0, NULL);
             for (int64_t r = 0; r < RP; r++) {
                 const uint32_t *yr = yp + r * cols + c0;
                 const __m512bh y0 = (__m512bh)_mm512_loadu_si512((const void *)yr);
@@ -284,9 +293,7 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
                     t[jj][3] = _mm512_dpbf16_ps(t[jj][3], xb, y3);
                 }
             }
-            for (int jj = 0; jj < 4; jj++)
-                for (int u = 0; u < 4; u++)
-                    _mm512_storeu_ps(acc + (j0 + jj) * cols + c0 + 16 * u, t[jj][u]);
+            ak_store44(acc + j0 * cols, cols, c0, t);
         }
         for (; c0 < cols; c0 += 16) {
             __m512 t[4];
@@ -477,11 +484,7 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
     int64_t c0 = 0;
     for (; c0 + 64 <= dv; c0 += 64) {
         __m512 acc[AK_FR][4];
-        for (int r = 0; r < AK_FR; r++) {
-            const __m512 al = _mm512_set1_ps(alpha[r]);
-            for (int u = 0; u < 4; u++)
-                acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0 + 16 * u), al);
-        }
+        ak_load44(acc, o, dv, c0, alpha);
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = v + j * vstride + c0;
             const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
@@ -494,8 +497,7 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
                 acc[r][3] = _mm512_fmadd_ps(pb, v3, acc[r][3]);
             }
         }
-        for (int r = 0; r < AK_FR; r++)
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * dv + c0 + 16 * u, acc[r][u]);
+        ak_store44(o, dv, c0, acc);
     }
     for (; c0 < dv; c0 += 16) {
         __m512 acc[AK_FR];
@@ -754,9 +756,7 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
         int64_t c0 = 0;
         for (; c0 + 64 <= cols; c0 += 64) {
             __m512 t[4][4];
-            for (int jj = 0; jj < 4; jj++)
-                for (int u = 0; u < 4; u++)
-                    t[jj][u] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0 + 16 * u);
+            ak_load44(t, acc + j0 * cols, cols, c0, NULL);
             for (int64_t r = 0; r < R; r++) {
                 const float *yr = y + r * cols + c0;
                 const __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16);
@@ -769,9 +769,7 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
                     t[jj][3] = _mm512_fmadd_ps(xb, y3, t[jj][3]);
                 }
             }
-            for (int jj = 0; jj < 4; jj++)
-                for (int u = 0; u < 4; u++)
-                    _mm512_storeu_ps(acc + (j0 + jj) * cols + c0 + 16 * u, t[jj][u]);
+            ak_store44(acc + j0 * cols, cols, c0, t);
         }
         for (; c0 < cols; c0 += 16) {
             __m512 t[4];
