@@ -17,7 +17,7 @@ from attnkit.spec import build_spec
 
 pytestmark = pytest.mark.skipif(
     not (native.available() and native.build_info().get("flash")),
-    reason="the native flash kernel needs a C compiler and an AVX-512 CPU")
+    reason="the native flash kernel needs a C compiler and an AVX-512 or AVX2 + FMA CPU")
 
 
 def _qkv(n=2, hq=4, hkv=2, lq=150, lk=None, d=32, dv=None, dtype=torch.float32, seed=0,
@@ -30,10 +30,16 @@ def _qkv(n=2, hq=4, hkv=2, lq=150, lk=None, d=32, dv=None, dtype=torch.float32, 
             rand(n, hkv, lk, dv, dtype=dtype, gen=g, requires_grad=grad))
 
 
+def _auto(spec):
+    """What auto picks for a call flash runs: flash, or (the 256-bit build's dense and plain
+    causal float32 calls) the fused executor."""
+    return fused if flash.auto_defers(spec) else flash
+
+
 def _check(q, k, v, atol=3e-6, **kw):
     spec = build_spec(q, k, v, **kw)
-    assert backends.select(spec) is flash, backends.explain(spec)["flash"]
-    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    assert backends.select(spec) is _auto(spec), backends.explain(spec)["flash"]
+    out, lse = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
     r, rl = ref(q.double(), k.double(), v.double(), return_lse=True, **kw)
     assert (out.double() - r).abs().max().item() < atol
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
@@ -126,8 +132,8 @@ def test_half_precision_within_flash_attentions_rule(dtype):
     q, k, v = _qkv(dtype=dtype, lq=300, d=64)
     for kw in (dict(), dict(causal=True), dict(window=(50, 0))):
         spec = build_spec(q, k, v, **kw)
-        assert backends.select(spec) is flash
-        out = attnkit.attention(q, k, v, **kw)
+        assert backends.select(spec) is _auto(spec)
+        out = attnkit.attention(q, k, v, backend="flash", **kw)
         assert out.dtype == dtype
         r = ref(q.double(), k.double(), v.double(), **kw)
         mask = None
@@ -172,7 +178,7 @@ def test_backward_matches_the_oracle(name, shape, with_lse):
     kw = _kw("relbias") if BACKWARD[name] == "relbias" else dict(BACKWARD[name])
     q, k, v = _qkv(grad=True, lq=130, **shape)
     spec = build_spec(q, k, v, **kw)
-    assert backends.select(spec) is flash
+    assert backends.select(spec) is _auto(spec)
     dv = v.shape[-1]
     w = torch.linspace(-1, 1, dv)
 
@@ -183,7 +189,8 @@ def test_backward_matches_the_oracle(name, shape, with_lse):
 
     leaves = [q, k, v] + [x for x in kw.values() if isinstance(x, torch.Tensor)
                           and x.requires_grad]
-    got = torch.autograd.grad(loss(*attnkit.attention(q, k, v, return_lse=True, **kw)), leaves)
+    got = torch.autograd.grad(loss(*attnkit.attention(q, k, v, return_lse=True, backend="flash",
+                                                      **kw)), leaves)
     dbl = [x.detach().double().requires_grad_() for x in leaves]
     kwd = {key: dbl[3] if isinstance(val, torch.Tensor) and val.requires_grad else val
            for key, val in kw.items()}
@@ -201,7 +208,7 @@ def test_both_passes_are_native_and_a_learnable_table_gets_its_gradient(monkeypa
     kernel_bwd = spy(monkeypatch, native, "flash_backward")
     q, k, v = _qkv(grad=True)
     for kw in (dict(causal=True), dict(softcap=2.0), _kw("relbias")):
-        attnkit.attention(q, k, v, **kw).sum().backward()
+        attnkit.attention(q, k, v, backend="flash", **kw).sum().backward()
     assert kernel and kernel_bwd and not fwd and not bwd and not tiled_bwd
     for shape, kw in (((4, 59), dict(causal=True)), ((59,), dict(softcap=3.0)),
                       ((4, 401), dict(window=(30, 30)))):
@@ -430,3 +437,81 @@ def test_the_wrapper_checks_its_arguments():
         native.flash_backward(q, k, v.masked_fill(v > 3, float("nan")), 0.1, t,
                               torch.zeros(2, 4, 150, 32), torch.zeros(2, 4, 150, 32),
                               torch.zeros(2, 4, 150))
+
+
+# ---- the 256-bit build (AVX2 + FMA + F16C: flash.c through avx2_as_512.h) ----------------
+
+_AVX2_SCRIPT = r"""
+import torch, attnkit
+from attnkit import backends, masks, native
+from attnkit.backends import flash
+from attnkit.reference import attention_reference as ref
+from attnkit.spec import build_spec
+assert native.build_info()["flash_bits"] == 256, native.build_info()
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+cases = [dict(causal=True), dict(window=(40, 3), alibi_slopes=torch.rand(2, 4), softcap=3.0),
+         dict(mask=masks.document_from_lengths([64, 1, 85])),
+         dict(causal=True, diagonal="bottom_right", sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))]
+for dt in (torch.float32, torch.bfloat16):
+    for d, dv in ((32, 32), (64, 48), (80, 80)):
+        for kw in cases:
+            q = torch.randn(2, 4, 150, d, generator=g).to(dt).requires_grad_()
+            k = torch.randn(2, 2, 133, d, generator=g).to(dt).requires_grad_()
+            v = torch.randn(2, 2, 133, dv, generator=g).to(dt).requires_grad_()
+            out, lse = attnkit.attention(q, k, v, return_lse=True, backend="flash", **kw)
+            dout = torch.randn(out.shape, generator=g).to(dt)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+            r = ref(qd, kd, vd, **kw)
+            rg = torch.autograd.grad(r, (qd, kd, vd), dout.double())
+            if dt == torch.float32:
+                for a, b in zip((out, *grads), (r, *rg)):
+                    worst = max(worst, ((a.double() - b).abs().max() / 3e-5).item())
+                continue
+            # bfloat16: FlashAttention's rule against the tiled executor's bfloat16 torch ops
+            plain = attnkit.attention(q, k, v, backend="tiled", **kw)
+            pg = torch.autograd.grad(plain, (q, k, v), dout)
+            for a, p, b in zip((out, *grads), (plain, *pg), (r, *rg)):
+                err = (a.double() - b).abs().max().item()
+                base = (p.double() - b).abs().max().item()
+                worst = max(worst, err / (2 * base + 1e-5))
+print("WORST", worst)
+"""
+
+
+def test_the_256_bit_build_matches_the_oracle(tmp_path):
+    """ATTNKIT_NATIVE_AVX512=0 builds flash.c on 256-bit registers (what CPUs without AVX-512
+    run); its forward and backward against the float64 oracle, in a fresh process."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = dict(os.environ, ATTNKIT_NATIVE_AVX512="0", ATTNKIT_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    worst = float(re.search(r"WORST (\S+)", proc.stdout).group(1))
+    assert worst < 1.0, worst
+
+
+def test_auto_defers_plain_calls_on_the_256_bit_build(monkeypatch):
+    """On a 256-bit build, auto leaves a dense or plain causal float32 call to the fused
+    executor (torch's kernel is faster there), with or without gradients; bfloat16, any other
+    term, a forced backend or a 512-bit build run flash."""
+    q, k, v = _qkv(lq=128, d=64)
+    info = dict(native.build_info(), flash_bits=256)
+    monkeypatch.setattr(native, "build_info", lambda: info)
+    qg = q.clone().requires_grad_()
+    for kw in (dict(), dict(causal=True)):
+        assert backends.select(build_spec(q, k, v, **kw)) is fused
+        assert backends.select(build_spec(qg, k, v, **kw)) is fused
+        assert backends.select(build_spec(q, k, v, **kw), "flash") is flash
+        qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+        assert backends.select(build_spec(qb, kb, vb, **kw)) is flash
+    for kw in (dict(window=(40, 3)), dict(causal=True, diagonal="bottom_right"),
+               dict(causal=True, alibi_slopes=torch.rand(2, 4)),
+               dict(mask=masks.document_from_lengths([64, 64]))):
+        assert backends.select(build_spec(q, k, v, **kw)) is flash, kw
+    info["flash_bits"] = 512
+    assert backends.select(build_spec(q, k, v, causal=True)) is flash

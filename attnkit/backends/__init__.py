@@ -2,7 +2,9 @@
 
 Each executor module declares ``CAPS`` (:class:`~attnkit.backends.base.Capabilities`: the spec
 features, dtypes, devices and sizes it runs), ``make_plan``, ``forward`` and ``backward``, and
-optionally ``extra_reasons(spec)``. Selection walks :data:`PRIORITY`; a forced backend that
+optionally ``extra_reasons(spec)`` and ``auto_defers(spec)`` (True: it can run the call, but
+``auto`` should try the next executor first, which this build runs faster; forcing it still
+runs it). Selection walks :data:`PRIORITY`; a forced backend that
 cannot run a spec raises one ``NotImplementedError`` listing its reasons, never a silent
 fallback. Adding an executor is its module and one line in :data:`REGISTRY`.
 """
@@ -43,13 +45,18 @@ def choose(spec: AttentionSpec, backend: str = "auto") -> Optional[ModuleType]:
                                       "choose.")
         return mod
     device = spec.q.device.type
+    deferred = None  # an executor that ran the call but let a later one go first
     for name in PRIORITY:
         auto_devices = REGISTRY[name].CAPS.auto_devices
         if auto_devices is not None and device not in auto_devices:
             continue
         if not reasons(REGISTRY[name], spec):
+            defers = getattr(REGISTRY[name], "auto_defers", None)
+            if deferred is None and defers is not None and defers(spec):
+                deferred = REGISTRY[name]
+                continue
             return REGISTRY[name]
-    return None
+    return deferred
 
 
 def select(spec: AttentionSpec, backend: str = "auto") -> ModuleType:

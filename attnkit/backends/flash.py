@@ -22,6 +22,10 @@ kernels round it), twice float32's multiply-adds an instruction, and so do the b
 five products (also Dv a multiple of 32; P and dS rounded to bfloat16 for them);
 ``native.FLASH_BF16_DOT = False`` keeps float32 arithmetic for them.
 
+A CPU with AVX2, FMA and F16C but no AVX-512 runs the same kernel on 256-bit registers
+(``native.build_info()["flash_bits"] == 256``); there :func:`auto_defers` leaves dense and
+plain causal float32 and float16 calls to the fused executor.
+
 Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
 rows the NaN (and +inf log-sum-exp) the float64 reference gives.
 """
@@ -82,7 +86,8 @@ def extra_reasons(spec: AttentionSpec) -> List[str]:
     if not native.build_info().get("flash", False):
         reason = native.unavailable_reason()
         why.append("the native flash kernel is unavailable (" + (
-            reason or "this CPU has no AVX-512, or the build did not target it") + ")")
+            reason or "this CPU has neither AVX-512 nor AVX2 with FMA and F16C, or the build "
+            "did not target it") + ")")
     if (spec.mask_mod is not None or spec.block_mask is not None) and (
             mask_intervals(spec) is None):
         why.append("flash runs a mask_mod (or a BlockMask) only as a builtin whose rows see one "
@@ -95,6 +100,19 @@ def extra_reasons(spec: AttentionSpec) -> List[str]:
     if "dropout" in spec.features() and (spec.dropout_p >= 1.0 or max(spec.n, spec.hq) > 2**16):
         why.append("flash runs dropout with 0 < p < 1 and at most 65536 batch rows and heads")
     return why
+
+
+def auto_defers(spec: AttentionSpec) -> bool:
+    """On a 256-bit (AVX2) build, a dense or plain causal call in float32 or float16 is left to
+    the fused executor: torch's own kernel is faster there without AVX-512's 32 registers,
+    forward and backward alike. bfloat16 is not (torch's bfloat16 backward is several times
+    slower there), nor any other term; the choice never depends on the grad mode, so a call
+    gives the same bits with and without gradients."""
+    if native.build_info().get("flash_bits", 0) >= 512 or spec.q.dtype == torch.bfloat16:
+        return False
+    terms = spec.features() - set(spec.outputs)
+    plain_causal = spec.left is None and spec.right in (None, 0) and spec.diagonal == "top_left"
+    return not terms or (terms == {"window"} and plain_causal)
 
 
 @dataclass

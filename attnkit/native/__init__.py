@@ -32,7 +32,9 @@ All are built on first use, into one library, with the system C compiler (``$CC`
 flags and this CPU, and loaded with :mod:`ctypes` (calls release the GIL). Without a compiler,
 or with ``ATTNKIT_NATIVE=0``, :func:`available` is False, :func:`unavailable_reason` says why
 and attnkit runs the same computations in torch ops instead; unless ``ATTNKIT_NATIVE=0`` chose
-that, one :class:`NativeKernelWarning` says why and what it costs.
+that, one :class:`NativeKernelWarning` says why and what it costs. ``ATTNKIT_NATIVE_AVX512=0``
+builds for this CPU without its AVX-512 instructions (the AVX2 paths a CPU without AVX-512
+takes; the flash kernel then runs on 256-bit registers, ``build_info()["flash_bits"]``).
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
             _HERE / "flash.c", _HERE / "pool.c")
-_HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h")
-_ABI = 12  # AK_ABI in decode.c
+_HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h", _HERE / "avx2_as_512.h")
+_ABI = 13  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -93,6 +95,11 @@ class NativeKernelWarning(RuntimeWarning):
 
 def _disabled() -> bool:
     return os.environ.get("ATTNKIT_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _avx512_allowed() -> bool:
+    return os.environ.get("ATTNKIT_NATIVE_AVX512", "1").strip().lower() not in (
+        "0", "false", "no", "off")
 
 
 def _cache_dir() -> Path:
@@ -205,7 +212,10 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
     cache, temp = _cache_dir(), _temp_dir()
     folders = [cache] if temp == cache else [cache, temp]
     unusable: dict = {}  # folder -> why no library can be built in it
-    for extra in (("-march=native",), ()):
+    # ATTNKIT_NATIVE_AVX512=0: this CPU's instructions short of AVX-512 (the kernels' AVX2
+    # paths; what a CPU without AVX-512 runs, and its tests on one that has it)
+    native = ("-march=native",) + (() if _avx512_allowed() else ("-mno-avx512f",))
+    for extra in (native, ()):
         key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
                                          _cpu_signature().encode()])).hexdigest()[:16]
         name = f"attnkit_decode_{key}.so"
@@ -267,7 +277,8 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
         info["h16"] = bool(lib.attnkit_native_has_h16())
-        info["flash"] = bool(lib.attnkit_flash_available())
+        info["flash_bits"] = int(lib.attnkit_flash_available())  # 512, 256 (AVX2) or 0
+        info["flash"] = info["flash_bits"] > 0
         info["flash_bf16"] = bool(lib.attnkit_flash_has_bf16dot())
         lib.attnkit_flash_forward.argtypes = [p]
         lib.attnkit_flash_forward.restype = i32

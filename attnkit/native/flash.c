@@ -1,4 +1,5 @@
-/* attnkit native kernels: flash attention forward on the CPU, float32 arithmetic (AVX-512).
+/* attnkit native kernels: flash attention on the CPU, float32 arithmetic (AVX-512, or AVX2 +
+ * FMA + F16C through avx2_as_512.h, whose matrix products have their own 256-bit versions).
  *
  * One call computes softmax(scale * Q K^T + terms, masked) V and the log-sum-exp for every
  * (batch, query head) over query blocks of AK_FM rows, with the online softmax of
@@ -82,7 +83,13 @@ typedef struct {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define AK_FLASH_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "avx2_as_512.h" /* the same code on pairs of 256-bit registers */
+#define AK_FLASH_SIMD 1
+#endif
 
+#if defined(AK_FLASH_SIMD)
 static inline __m512 ak_load_row16(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
@@ -461,6 +468,7 @@ typedef struct {
 } ak_fwd_ctx;
 
 /* S = Qg Kt for AK_FR rows (q rows of stride d, prescaled) and one packed key block */
+#if defined(__AVX512F__)
 static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
     for (int r = 0; r < AK_FR; r++)
         for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
@@ -478,7 +486,35 @@ static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 
     }
 }
 
+#else
+/* the same on 256-bit registers: two rows by 32 keys at a time, eight accumulators (sixteen
+ * would spill) and the keys read as memory operands */
+static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
+    for (int half = 0; half < 2; half++)
+        for (int r = 0; r < AK_FR; r += 2) {
+            __m256 acc[2][4];
+            for (int t = 0; t < 2; t++)
+                for (int u = 0; u < 4; u++) acc[t][u] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < d; c++) {
+                const float *kc = kt + c * AK_FN + 32 * half;
+                const __m256 q0 = _mm256_broadcast_ss(q + r * d + c);
+                const __m256 q1 = _mm256_broadcast_ss(q + (r + 1) * d + c);
+                for (int u = 0; u < 4; u++) {
+                    const __m256 kv = _mm256_loadu_ps(kc + 8 * u);
+                    acc[0][u] = _mm256_fmadd_ps(q0, kv, acc[0][u]);
+                    acc[1][u] = _mm256_fmadd_ps(q1, kv, acc[1][u]);
+                }
+            }
+            for (int t = 0; t < 2; t++) {
+                s[r + t][2 * half] = (__m512){acc[t][0], acc[t][1]};
+                s[r + t][2 * half + 1] = (__m512){acc[t][2], acc[t][3]};
+            }
+        }
+}
+#endif
+
 /* O[rows] = O * alpha + P V over nk keys, dv in chunks of 64 columns */
+#if defined(__AVX512F__)
 static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
                          const float *v, int64_t vstride, int64_t nk) {
     int64_t c0 = 0;
@@ -511,6 +547,55 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
         for (int r = 0; r < AK_FR; r++) _mm512_storeu_ps(o + r * dv + c0, acc[r]);
     }
 }
+
+#else
+/* the same on 256-bit registers: two rows by 32 columns (or four rows by 16), eight
+ * accumulators */
+static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
+                         const float *v, int64_t vstride, int64_t nk) {
+    int64_t c0 = 0;
+    for (; c0 + 32 <= dv; c0 += 32)
+        for (int r = 0; r < AK_FR; r += 2) {
+            __m256 acc[2][4];
+            for (int t = 0; t < 2; t++) {
+                const __m256 al = _mm256_set1_ps(alpha[r + t]);
+                for (int u = 0; u < 4; u++)
+                    acc[t][u] = _mm256_mul_ps(_mm256_loadu_ps(o + (r + t) * dv + c0 + 8 * u), al);
+            }
+            for (int64_t j = 0; j < nk; j++) {
+                const float *vr = v + j * vstride + c0;
+                const __m256 p0 = _mm256_broadcast_ss(p + r * AK_FN + j);
+                const __m256 p1 = _mm256_broadcast_ss(p + (r + 1) * AK_FN + j);
+                for (int u = 0; u < 4; u++) {
+                    const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
+                    acc[0][u] = _mm256_fmadd_ps(p0, vv, acc[0][u]);
+                    acc[1][u] = _mm256_fmadd_ps(p1, vv, acc[1][u]);
+                }
+            }
+            for (int t = 0; t < 2; t++)
+                for (int u = 0; u < 4; u++)
+                    _mm256_storeu_ps(o + (r + t) * dv + c0 + 8 * u, acc[t][u]);
+        }
+    if (c0 < dv) { /* 16 columns left */
+        __m256 acc[AK_FR][2];
+        for (int r = 0; r < AK_FR; r++)
+            for (int u = 0; u < 2; u++)
+                acc[r][u] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dv + c0 + 8 * u),
+                                          _mm256_set1_ps(alpha[r]));
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 v0 = _mm256_loadu_ps(v + j * vstride + c0);
+            const __m256 v1 = _mm256_loadu_ps(v + j * vstride + c0 + 8);
+            for (int r = 0; r < AK_FR; r++) {
+                const __m256 pb = _mm256_broadcast_ss(p + r * AK_FN + j);
+                acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < AK_FR; r++)
+            for (int u = 0; u < 2; u++) _mm256_storeu_ps(o + r * dv + c0 + 8 * u, acc[r][u]);
+    }
+}
+#endif
 
 static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
                         int64_t i1, int worker) {
@@ -750,6 +835,7 @@ typedef struct {
 } ak_bwd_ctx;
 
 /* acc[64 keys][cols] += X^T Y over R rows: X (R x AK_FN, stride AK_FN), Y (R x cols) */
+#if defined(__AVX512F__)
 static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *y, int64_t R,
                          int64_t nk) {
     for (int64_t j0 = 0; j0 < nk; j0 += 4) {
@@ -783,6 +869,32 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
         }
     }
 }
+
+#else
+/* the same on 256-bit registers: four keys by 16 columns, eight accumulators */
+static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *y, int64_t R,
+                         int64_t nk) {
+    for (int64_t j0 = 0; j0 < nk; j0 += 4)
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+            __m256 t[4][2];
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 2; u++)
+                    t[jj][u] = _mm256_loadu_ps(acc + (j0 + jj) * cols + c0 + 8 * u);
+            for (int64_t r = 0; r < R; r++) {
+                const __m256 y0 = _mm256_loadu_ps(y + r * cols + c0);
+                const __m256 y1 = _mm256_loadu_ps(y + r * cols + c0 + 8);
+                for (int jj = 0; jj < 4; jj++) {
+                    const __m256 xb = _mm256_broadcast_ss(x + r * AK_FN + j0 + jj);
+                    t[jj][0] = _mm256_fmadd_ps(xb, y0, t[jj][0]);
+                    t[jj][1] = _mm256_fmadd_ps(xb, y1, t[jj][1]);
+                }
+            }
+            for (int jj = 0; jj < 4; jj++)
+                for (int u = 0; u < 2; u++)
+                    _mm256_storeu_ps(acc + (j0 + jj) * cols + c0 + 8 * u, t[jj][u]);
+        }
+}
+#endif
 
 /* Pack key block kb (transposed K and V, K rows as float32) into kt, vt, kn. */
 /* Pack key block kb for the backward: float32 K^T, V^T and K rows (kt, vt, kn), or with
@@ -1204,7 +1316,7 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     return 0;
 }
 
-#else /* no AVX-512: the executor refuses before calling */
+#else /* neither AVX-512 nor AVX2 + FMA: the executor refuses before calling */
 
 int attnkit_flash_forward(const ak_flash_args *a) {
     (void)a;
@@ -1228,9 +1340,12 @@ int attnkit_flash_has_bf16dot(void) {
     return 0;
 #endif
 }
+/* the kernel's vector width in bits: 512 (AVX-512), 256 (AVX2 + FMA), 0 (not built) */
 int attnkit_flash_available(void) {
 #if defined(__AVX512F__)
-    return 1;
+    return 512;
+#elif defined(AK_FLASH_SIMD)
+    return 256;
 #else
     return 0;
 #endif
