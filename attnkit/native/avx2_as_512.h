@@ -14,6 +14,7 @@
 #define ATTNKIT_AVX2_AS_512_H
 
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define AK2 static inline __attribute__((always_inline))
@@ -219,9 +220,11 @@ AK2_BINOP_SI(_mm512_mul_epu32, _mm256_mul_epu32)
 #define _mm512_srli_epi32(a, n) ak2_si_of(_mm256_srli_epi32((a).lo, (n)), _mm256_srli_epi32((a).hi, (n)))
 #define _mm512_srli_epi64(a, n) ak2_si_of(_mm256_srli_epi64((a).lo, (n)), _mm256_srli_epi64((a).hi, (n)))
 /* flash.c's only truth table: 0x96, a ^ b ^ c */
-#define _mm512_ternarylogic_epi64(a, b, c, imm) ak2_xor3((a), (b), (c), (imm))
-AK2 ak2_si ak2_xor3(ak2_si a, ak2_si b, ak2_si c, int imm) {
-    (void)imm;
+/* (any other table fails to compile: the array size is negative) */
+#define _mm512_ternarylogic_epi64(a, b, c, imm) \
+    ak2_xor3((a), (b), (c), sizeof(char[(imm) == 0x96 ? 1 : -1]))
+AK2 ak2_si ak2_xor3(ak2_si a, ak2_si b, ak2_si c, size_t only_0x96) {
+    (void)only_0x96;
     return ak2_si_of(_mm256_xor_si256(_mm256_xor_si256(a.lo, b.lo), c.lo),
                      _mm256_xor_si256(_mm256_xor_si256(a.hi, b.hi), c.hi));
 }
@@ -248,8 +251,13 @@ AK2 ak2_si _mm512_cvtepu32_epi64(__m256i a) {
                      _mm256_cvtepu32_epi64(_mm256_extracti128_si256(a, 1)));
 }
 AK2 ak2_si _mm512_castsi256_si512(__m256i a) { return ak2_si_of(a, _mm256_setzero_si256()); }
-AK2 ak2_si ak2_insert_hi(ak2_si a, __m256i b) { return ak2_si_of(a.lo, b); }
-#define _mm512_inserti64x4(a, b, one) ak2_insert_hi((a), (b))
+AK2 ak2_si ak2_insert_hi(ak2_si a, __m256i b, size_t only_1) {
+    (void)only_1;
+    return ak2_si_of(a.lo, b);
+}
+/* the upper half only (index 1; index 0 fails to compile) */
+#define _mm512_inserti64x4(a, b, one) \
+    ak2_insert_hi((a), (b), sizeof(char[(one) == 1 ? 1 : -1]))
 AK2 ak2_si _mm512_mask_blend_epi32(__mmask16 k, ak2_si a, ak2_si b) {
     return _mm512_castps_si512(_mm512_mask_blend_ps(k, _mm512_castsi512_ps(a),
                                                     _mm512_castsi512_ps(b)));
