@@ -77,7 +77,7 @@ typedef struct {
 } ak_flash_args;
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
-#define AK_WS_FWD (2 * AK_FM * AK_FD + AK_FR * AK_FN)
+#define AK_WS_FWD (2 * AK_FM * AK_FD + AK_FM * AK_FN)
 #define AK_SB 4 /* most key blocks of one backward item */
 #define AK_WS_BWD (5 * AK_SB * AK_FN * AK_FD + 3 * AK_FM * AK_FD + 3 * AK_FM * AK_FN)
 
@@ -87,6 +87,14 @@ typedef struct {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "avx2_as_512.h" /* the same code on pairs of 256-bit registers */
 #define AK_FLASH_SIMD 1
+#endif
+
+#if defined(__AVX512F__)
+/* Keeps four loaded vectors in registers: without it the compiler folds each load into the
+ * four multiply-adds that read it, four loads instead of one, free where a 512-bit load is
+ * one operation and the limit where it is two (Zen 4: the matrix products ran at two thirds
+ * of the multiply-add rate). */
+#define AK_HOLD4(a, b, c, e) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(e))
 #endif
 
 #if defined(AK_FLASH_SIMD)
@@ -225,10 +233,11 @@ static inline void ak_scores_bf(const uint32_t *q, int64_t dp, const uint32_t *k
         for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < dp; c++) {
         const uint32_t *kc = kt + c * AK_FN;
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kc);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 16));
-        const __m512bh k2 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 32));
-        const __m512bh k3 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 48));
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)kc);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 16));
+        __m512bh k2 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 32));
+        __m512bh k3 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 48));
+        AK_HOLD4(k0, k1, k2, k3);
         for (int r = 0; r < AK_FR; r++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * dp + c]);
             s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
@@ -249,10 +258,11 @@ static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint
         ak_load44(acc, o, dv, c0, alpha);
         for (int64_t j = 0; j < njp; j++) {
             const uint32_t *vr = vp + j * dv + c0;
-            const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)vr);
-            const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 16));
-            const __m512bh v2 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 32));
-            const __m512bh v3 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 48));
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)vr);
+            __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 16));
+            __m512bh v2 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 32));
+            __m512bh v3 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 48));
+            AK_HOLD4(v0, v1, v2, v3);
             for (int r = 0; r < AK_FR; r++) {
                 const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[r * (AK_FN / 2) + j]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
@@ -288,10 +298,11 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
             ak_load44(t, acc + j0 * cols, cols, c0, NULL);
             for (int64_t r = 0; r < RP; r++) {
                 const uint32_t *yr = yp + r * cols + c0;
-                const __m512bh y0 = (__m512bh)_mm512_loadu_si512((const void *)yr);
-                const __m512bh y1 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 16));
-                const __m512bh y2 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 32));
-                const __m512bh y3 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 48));
+                __m512bh y0 = (__m512bh)_mm512_loadu_si512((const void *)yr);
+                __m512bh y1 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 16));
+                __m512bh y2 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 32));
+                __m512bh y3 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 48));
+                AK_HOLD4(y0, y1, y2, y3);
                 for (int jj = 0; jj < 4; jj++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * AK_FN + j0 + jj]);
                     t[jj][0] = _mm512_dpbf16_ps(t[jj][0], xb, y0);
@@ -474,8 +485,9 @@ static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 
         for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < d; c++) {
         const float *kc = kt + c * AK_FN;
-        const __m512 k0 = _mm512_loadu_ps(kc), k1 = _mm512_loadu_ps(kc + 16);
-        const __m512 k2 = _mm512_loadu_ps(kc + 32), k3 = _mm512_loadu_ps(kc + 48);
+        __m512 k0 = _mm512_loadu_ps(kc), k1 = _mm512_loadu_ps(kc + 16);
+        __m512 k2 = _mm512_loadu_ps(kc + 32), k3 = _mm512_loadu_ps(kc + 48);
+        AK_HOLD4(k0, k1, k2, k3);
         for (int r = 0; r < AK_FR; r++) {
             const __m512 qb = _mm512_set1_ps(q[r * d + c]);
             s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
@@ -523,8 +535,9 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
         ak_load44(acc, o, dv, c0, alpha);
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = v + j * vstride + c0;
-            const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-            const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+            __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+            __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+            AK_HOLD4(v0, v1, v2, v3);
             for (int r = 0; r < AK_FR; r++) {
                 const __m512 pb = _mm512_set1_ps(p[r * AK_FN + j]);
                 acc[r][0] = _mm512_fmadd_ps(pb, v0, acc[r][0]);
@@ -672,15 +685,19 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         const int32_t j0 = (int32_t)(kb * AK_FN);
         const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
         const float *kt = ktb + kb * d * AK_FN / (a->bf16dot ? 2 : 1);
+        float alpha[AK_FM];
+        uint8_t live[AK_FM / AK_FR];
         for (int64_t g = 0; g < groups; g++) {
             const int64_t r0 = g * AK_FR;
             int any = 0, full = 1;
+            live[g] = 0;
             for (int r = 0; r < AK_FR; r++) {
                 const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
                 any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
                 full &= a0 <= j0 && a1 >= j0 + AK_FN;
             }
             if (!any) continue;
+            live[g] = 1;
             if (kseg != NULL && full) {
                 for (int r = 0; r < AK_FR && full; r++)
                     for (int64_t jj = 0; jj < AK_FN; jj++)
@@ -700,7 +717,6 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             } else
 #endif
                 ak_scores(qbuf + r0 * d, d, kt, s);
-            float alpha[AK_FR];
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
                 ak_row_terms(a, s[r], j0, ipf[rr], slope, rel != NULL ? rel + j0 - rr : NULL,
@@ -710,11 +726,11 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 const float mx = _mm512_reduce_max_ps(mx4);
                 const float mnew = mx > m[rr] ? mx : m[rr];
                 if (mnew == -INFINITY) { /* nothing visible yet: weights 0, state unchanged */
-                    alpha[r] = 1.0f;
-                    memset(pbuf + r * AK_FN, 0, AK_FN * 4);
+                    alpha[rr] = 1.0f;
+                    memset(pbuf + rr * AK_FN, 0, AK_FN * 4);
                     continue;
                 }
-                alpha[r] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);
+                alpha[rr] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);
                 m[rr] = mnew;
                 const __m512 mb = _mm512_set1_ps(mnew);
                 __m512 sum = _mm512_setzero_ps();
@@ -729,22 +745,29 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                             ak_keep16(a, j0 + 16 * u, i0 + rr, (uint32_t)(h + (n << 16))), p[u]);
 #ifdef AK_FLASH_BF16
                 if (a->bf16dot) {
-                    uint16_t *pr = (uint16_t *)pbuf + r * AK_FN;
+                    uint16_t *pr = (uint16_t *)pbuf + rr * AK_FN;
                     _mm512_storeu_si512((void *)pr, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
                     _mm512_storeu_si512((void *)(pr + 32),
                                         (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
                 } else
 #endif
-                    for (int u = 0; u < 4; u++) _mm512_storeu_ps(pbuf + r * AK_FN + 16 * u, p[u]);
-                l[rr] = l[rr] * alpha[r] + _mm512_reduce_add_ps(sum);
+                    for (int u = 0; u < 4; u++) _mm512_storeu_ps(pbuf + rr * AK_FN + 16 * u, p[u]);
+                l[rr] = l[rr] * alpha[rr] + _mm512_reduce_add_ps(sum);
             }
+        }
+        /* P V once every group's weights are written (not read back straight after the
+         * stores that wrote them) */
+        for (int64_t g = 0; g < groups; g++) {
+            if (!live[g]) continue;
+            const int64_t r0 = g * AK_FR;
 #ifdef AK_FLASH_BF16
             if (a->bf16dot)
-                ak_pv_bf(obuf + r0 * dv, dv, alpha, (const uint32_t *)pbuf,
+                ak_pv_bf(obuf + r0 * dv, dv, alpha + r0, (const uint32_t *)pbuf + r0 * (AK_FN / 2),
                          (const uint32_t *)vb + (j0 / 2) * dv, (nk + 1) / 2);
             else
 #endif
-                ak_pv(obuf + r0 * dv, dv, alpha, pbuf, vb + j0 * vstride, vstride, nk);
+                ak_pv(obuf + r0 * dv, dv, alpha + r0, pbuf + r0 * AK_FN, vb + j0 * vstride,
+                      vstride, nk);
         }
     }
     const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
@@ -845,8 +868,9 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
             ak_load44(t, acc + j0 * cols, cols, c0, NULL);
             for (int64_t r = 0; r < R; r++) {
                 const float *yr = y + r * cols + c0;
-                const __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16);
-                const __m512 y2 = _mm512_loadu_ps(yr + 32), y3 = _mm512_loadu_ps(yr + 48);
+                __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16);
+                __m512 y2 = _mm512_loadu_ps(yr + 32), y3 = _mm512_loadu_ps(yr + 48);
+                AK_HOLD4(y0, y1, y2, y3);
                 for (int jj = 0; jj < 4; jj++) {
                     const __m512 xb = _mm512_set1_ps(x[r * AK_FN + j0 + jj]);
                     t[jj][0] = _mm512_fmadd_ps(xb, y0, t[jj][0]);
