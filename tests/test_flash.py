@@ -146,6 +146,37 @@ def test_half_precision_within_flash_attentions_rule(dtype):
         assert ok, (kw, err, base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scratch_memory_is_never_read_before_it_is_written(dtype, monkeypatch):
+    """Every buffer the kernel gets comes from torch.empty: filled with NaN here, the result
+    must not change. Rows that see no key of the first blocks they visit (a window) once read
+    weights left in the scratch row of another layout (bfloat16 pairs), which mattered only
+    when the memory held a NaN or an infinity."""
+    q, k, v = _qkv(n=1, hq=2, hkv=1, lq=300, d=64, dtype=dtype, grad=True)
+    kw = dict(window=(50, 0))
+    dout = torch.randn(1, 2, 300, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    def run():
+        out = attnkit.attention(q, k, v, backend="flash", **kw)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+    clean = run()
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-1)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = run()
+    monkeypatch.undo()
+    for a, b in zip(got, clean):
+        assert bool(torch.isfinite(a).all()) and torch.equal(a, b)
+    out = got[0]
+    r = ref(q.detach().double(), k.detach().double(), v.detach().double(), **kw)
+    assert float((out.double() - r).abs().max()) < (1e-5 if dtype == torch.float32 else 5e-2)
+
+
 def test_rows_that_see_nothing_get_zero_and_minus_infinity():
     q, k, v = _qkv(lq=100, lk=100)
     out, lse = _check(q, k, v, seqlens_q=torch.tensor([30, 100]),

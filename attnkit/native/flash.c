@@ -658,7 +658,10 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             qs[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
             ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
         } else {
-            memset(qbuf + r * d, 0, (size_t)d * 4);
+            if (a->bf16dot) /* (rows of d / 2 bfloat16 pairs) */
+                memset(qbuf + r * (d / 2), 0, (size_t)d * 2);
+            else
+                memset(qbuf + r * d, 0, (size_t)d * 4);
             lo[r] = 0, hi[r] = 0, qs[r] = 0, ipf[r] = 0.0f;
         }
         memset(obuf + r * dv, 0, (size_t)dv * 4);
@@ -727,7 +730,10 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 const float mnew = mx > m[rr] ? mx : m[rr];
                 if (mnew == -INFINITY) { /* nothing visible yet: weights 0, state unchanged */
                     alpha[rr] = 1.0f;
-                    memset(pbuf + rr * AK_FN, 0, AK_FN * 4);
+                    if (a->bf16dot) /* (its row of bfloat16 weights) */
+                        memset((uint16_t *)pbuf + rr * AK_FN, 0, AK_FN * 2);
+                    else
+                        memset(pbuf + rr * AK_FN, 0, AK_FN * 4);
                     continue;
                 }
                 alpha[rr] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);
