@@ -279,7 +279,10 @@ class AttentionSpec:
 
     def features(self) -> FrozenSet[str]:
         """Every mask term, score term, option and requested output this call uses (names
-        from :data:`FEATURES`)."""
+        from :data:`FEATURES`; worked out once per spec: every executor's check reads it)."""
+        cached = self.__dict__.get("_features")
+        if cached is not None:
+            return cached
         f = set(self.outputs)
         info = info_of(self.score_mod)
         for name, on in (
@@ -308,7 +311,8 @@ class AttentionSpec:
                 ("fp8_kv", self.paged is not None and self.paged.k_descale is not None)):
             if on:
                 f.add(name)
-        return frozenset(f)
+        self.__dict__["_features"] = frozen = frozenset(f)  # (not a field: eq and replace skip it)
+        return frozen
 
     def diag_offset(self) -> Union[int, Tensor]:
         """i' - i: 0 for top-left, Lk - Lq (per batch row with seqlens) for bottom-right."""

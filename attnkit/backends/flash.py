@@ -150,12 +150,21 @@ def _per_batch(x: Optional[Tensor], n: int, default: int) -> Tensor:
     return x.to(torch.int64).reshape(n, 1)
 
 
-def bounds(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per row the visible key interval ``[lo, hi)`` and the aligned position ``i'``, each
-    ``(N|1, Lq)`` int64: causal/window relative to ``i'``, then key padding, left padding
-    and query padding."""
+def aligned_positions(spec: AttentionSpec) -> Tensor:
+    """The aligned position ``i'`` of every row, ``(N|1, Lq)`` int64."""
+    return spec.aligned_rows().to(torch.int64).reshape(-1, spec.lq)
+
+
+def bounds(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
+    """Per row the visible key interval ``[lo, hi)``, ``(N|1, Lq)`` int64: causal/window
+    relative to the aligned position ``i'``, then key padding, left padding and query
+    padding (a call with none of them: every row sees every key)."""
     n, lq, lk = spec.n, spec.lq, spec.lk
-    ip = spec.aligned_rows().to(torch.int64).reshape(-1, lq)
+    if not spec.has_band and spec.seqlens_kv is None and spec.starts_kv is None and (
+            spec.seqlens_q is None):
+        return (torch.zeros((1, lq), dtype=torch.int64),
+                torch.full((1, lq), lk, dtype=torch.int64))
+    ip = aligned_positions(spec)
     lo = torch.zeros_like(ip)
     hi = torch.full_like(ip, lk)
     if spec.left is not None:
@@ -170,7 +179,7 @@ def bounds(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
         rows = torch.arange(lq).view(1, lq)
         hi = torch.where(rows < _per_batch(spec.seqlens_q, n, lq), hi, 0)
     lo, hi = torch.broadcast_tensors(lo, hi)
-    return lo, hi, ip
+    return lo, hi
 
 
 def _segments(spec: AttentionSpec, lo: Tensor, hi: Tensor
@@ -341,7 +350,7 @@ def _blocks_agree(bm: Any, lo: Tensor, hi: Tensor, lq: int, lk: int) -> bool:
 def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     """The kernel's terms for ``spec`` (None: a mask structure the kernel cannot take after
     all, such as ids for another batch size)."""
-    lo, hi, ip = bounds(spec)
+    lo, hi = bounds(spec)
     if spec.mask_mod is not None or spec.block_mask is not None:
         r = mask_intervals(spec)
         if r is None:
@@ -357,7 +366,7 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     if "dropout" in spec.features():
         t.dropout = (spec.dropout_p, spec.seed, spec.offset)
     if spec.alibi_slopes is not None:
-        t.alibi, t.ipos = spec.alibi_slopes.reshape(-1, spec.hq), ip
+        t.alibi, t.ipos = spec.alibi_slopes.reshape(-1, spec.hq), aligned_positions(spec)
     table = _table_of(spec)
     if table is not None:
         t.rel, t.rel_base = _rel_table(spec, table)
