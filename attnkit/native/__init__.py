@@ -69,7 +69,7 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
             _HERE / "flash.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h", _HERE / "avx2_as_512.h")
-_ABI = 13  # AK_ABI in decode.c
+_ABI = 14  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -215,7 +215,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
     # ATTNKIT_NATIVE_AVX512=0: this CPU's instructions short of AVX-512 (the kernels' AVX2
     # paths; what a CPU without AVX-512 runs, and its tests on one that has it)
     native = ("-march=native",) + (() if _avx512_allowed() else ("-mno-avx512f",))
-    for extra in (native, ()):
+    # -fopenmp: the flash kernel may run on torch's OpenMP threads (pool.c's ak_team_run);
+    # without it (a compiler that lacks OpenMP), on attnkit's own pool
+    for extra in (native + ("-fopenmp",), native, ()):
         key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
                                          _cpu_signature().encode()])).hexdigest()[:16]
         name = f"attnkit_decode_{key}.so"
@@ -280,6 +282,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["flash_bits"] = int(lib.attnkit_flash_available())  # 512, 256 (AVX2) or 0
         info["flash"] = info["flash_bits"] > 0
         info["flash_bf16"] = bool(lib.attnkit_flash_has_bf16dot())
+        lib.attnkit_team_openmp.argtypes = [i32]
+        lib.attnkit_team_openmp.restype = i32
+        info["team"] = _choose_team(lib)
         lib.attnkit_flash_forward.argtypes = [p]
         lib.attnkit_flash_forward.restype = i32
         lib.attnkit_flash_backward.argtypes = [p, p]
@@ -292,6 +297,36 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
                           f"{ctypes.sizeof(_FlashArgs)}"), info
         return lib, None, info
     return None, f"building the native decode kernel failed: {info.get('error')}", info
+
+
+def _openmp_runtimes() -> Optional[set]:
+    """The OpenMP runtime files mapped into this process (libgomp, libiomp, libomp), or None
+    where that cannot be read (no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    return {line.split()[-1] for line in maps.splitlines()
+            if "/lib" in line and any(f"/{name}" in line for name in (
+                "libgomp", "libiomp", "libomp"))}
+
+
+def _choose_team(lib: ctypes.CDLL) -> str:
+    """Where the flash kernel's parallel regions run: ``"openmp"``, torch's own OpenMP
+    threads, when the library was built with OpenMP, torch's parallel backend is OpenMP and
+    the process holds one OpenMP runtime (so the library's is torch's: on Linux the loader
+    gives both the already loaded ``libgomp.so.1``); else ``"pool"``, attnkit's own threads.
+    ``ATTNKIT_NATIVE_TEAM=pool`` forces the pool."""
+    if os.environ.get("ATTNKIT_NATIVE_TEAM", "").strip().lower() == "pool":
+        lib.attnkit_team_openmp(0)
+        return "pool"
+    runtimes = _openmp_runtimes()
+    if (not runtimes or len(runtimes) != 1
+            or "parallel backend: OpenMP" not in torch.__config__.parallel_info()):
+        lib.attnkit_team_openmp(0)
+        return "pool"
+    return "openmp" if lib.attnkit_team_openmp(1) else "pool"
 
 
 def _lib() -> Optional[ctypes.CDLL]:

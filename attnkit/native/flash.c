@@ -825,9 +825,9 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->bad == NULL || a->out_dtype < 0 || a->out_dtype > 2) return -7;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     ak_pack_ctx pc = {a, nkb, 0};
-    ak_pool_run(ak_pack_worker, &pc, a->threads);
+    ak_team_run(ak_pack_worker, &pc, a->threads);
     ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0};
-    ak_pool_run(ak_fwd_worker, &fc, a->threads);
+    ak_team_run(ak_fwd_worker, &fc, a->threads);
     return *a->bad ? 1 : 0; /* 1: an input was not finite (the caller runs another path) */
 }
 
@@ -1331,17 +1331,17 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->dv % 32 || g->dout_dtype != 1))
         return -5;
     ak_rows_ctx rc0 = {a, g, 0, 0};
-    ak_pool_run(ak_rows_worker, &rc0, a->threads);
+    ak_team_run(ak_rows_worker, &rc0, a->threads);
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     /* items of up to AK_SB key blocks, while that leaves 8 items a worker */
     int64_t sb = AK_SB;
     while (sb > 1 && a->N * a->Hkv * ((nkb + sb - 1) / sb) < 8 * (int64_t)a->threads) sb /= 2;
     ak_bwd_ctx bc = {a, g, nkb, (a->Lq + AK_FM - 1) / AK_FM, sb, 0};
-    ak_pool_run(ak_bwd_worker, &bc, a->threads);
+    ak_team_run(ak_bwd_worker, &bc, a->threads);
     if (*a->bad) return 1;
     if (a->threads > 1) {
         ak_rows_ctx rc1 = {a, g, 1, 0};
-        ak_pool_run(ak_rows_worker, &rc1, a->threads);
+        ak_team_run(ak_rows_worker, &rc1, a->threads);
     }
     return 0;
 }

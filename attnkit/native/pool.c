@@ -58,8 +58,13 @@ static struct {
     ak_slot slot[AK_POOL_MAX];
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER, .idle = PTHREAD_COND_INITIALIZER};
 
+/* ak_team_run's state: whether it runs on the OpenMP runtime's team (set from Python once
+ * the runtime is known to be torch's own), and a call holding that team */
+static int team_omp, team_busy;
+
 static void pool_reset_in_child(void) {
     /* only the forking thread exists here; whatever the parent's threads held is gone */
+    team_omp = 0, team_busy = 0; /* (the OpenMP runtime's team is not the child's to reuse) */
     memset(&P, 0, sizeof P);
     P.mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     P.idle = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
@@ -196,6 +201,47 @@ void ak_pool_run(ak_pool_fn fn, void *ctx, int n) {
         pthread_mutex_unlock(&P.mu);
     }
     __atomic_store_n(&P.busy, 0, __ATOMIC_RELEASE);
+}
+
+/* ak_team_run on the OpenMP runtime (when compiled with it): torch's own threads, which
+ * torch's operators have just used and which spin a while after each of them, so the call's
+ * workers start at once; a pool thread woken then has to wait for the core such a spinning
+ * thread holds, and a short call ran on the caller alone. One call uses the team at a time
+ * (another caller meanwhile runs alone, as with the pool); a team smaller than n runs the
+ * indices left over on its threads in turn, so every index still runs exactly once. */
+#if defined(_OPENMP)
+#include <omp.h>
+int attnkit_team_openmp(int on) {
+    __atomic_store_n(&team_omp, on != 0, __ATOMIC_RELAXED);
+    return 1;
+}
+#else
+int attnkit_team_openmp(int on) {
+    (void)on;
+    return 0; /* built without OpenMP: the pool always */
+}
+#endif
+
+void ak_team_run(ak_pool_fn fn, void *ctx, int n) {
+#if defined(_OPENMP)
+    if (n > AK_POOL_MAX) n = AK_POOL_MAX;
+    if (n > 1 && __atomic_load_n(&team_omp, __ATOMIC_RELAXED) &&
+        !__atomic_exchange_n(&team_busy, 1, __ATOMIC_ACQUIRE)) {
+        int team = 1;
+        __atomic_add_fetch(&P.calls, 1, __ATOMIC_RELAXED);
+#pragma omp parallel num_threads(n)
+        {
+            const int nt = omp_get_num_threads();
+            if (omp_get_thread_num() == 0) team = nt;
+            for (int w = omp_get_thread_num(); w < n; w += nt) fn(ctx, w, n);
+        }
+        __atomic_add_fetch(&P.parallel_runs, team > 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&P.last_threads, team, __ATOMIC_RELAXED);
+        __atomic_store_n(&team_busy, 0, __ATOMIC_RELEASE);
+        return;
+    }
+#endif
+    ak_pool_run(fn, ctx, n);
 }
 
 /* The pool's counters, for tests and tuning (out[0 .. AK_POOL_NSTATS)): pool threads started

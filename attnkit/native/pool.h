@@ -21,6 +21,11 @@ typedef void (*ak_pool_fn)(void *ctx, int worker, int nworkers);
  * finds the pool in use runs all its indices on its own thread. */
 __attribute__((visibility("hidden"))) void ak_pool_run(ak_pool_fn fn, void *ctx, int n);
 
+/* The same contract on the OpenMP runtime's threads when attnkit_team_openmp(1) has been
+ * called and the library was built with OpenMP (torch's runtime: see pool.c), else
+ * ak_pool_run. For the flash kernel's few long parallel regions. */
+__attribute__((visibility("hidden"))) void ak_team_run(ak_pool_fn fn, void *ctx, int n);
+
 /* The next block [*a, *e) of `block` elements out of [0, n), taken from the shared counter
  * *next (atomically, so every worker of a call may take blocks); 0 when none is left. */
 static inline int ak_next_block(int64_t *next, int64_t block, int64_t n, int64_t *a,
