@@ -59,9 +59,13 @@ def test_the_team_is_torchs_openmp_runtime_or_the_pool():
         assert runtimes is not None and len(runtimes) == 1, runtimes
         assert "parallel backend: OpenMP" in torch.__config__.parallel_info()
     q, k, v = _inputs()
+    before = native.pool_stats()
     out = _flash(q, k, v, threads=2)
+    woken = native.pool_stats()["woken"] - before["woken"]
     _check_oracle(out, q, k, v)
     assert native.pool_stats()["last_threads"] == 2
+    # on the team no pool thread is woken; on the pool each of the call's regions wakes one
+    assert (woken == 0) if team == "openmp" else (woken > 0), (team, woken)
 
 
 _POOL_SCRIPT = r"""
