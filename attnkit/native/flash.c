@@ -626,6 +626,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM];
     float ipf[AK_FM];
     const size_t esz = a->dtype == 0 ? 4 : 2;
+    const int64_t ebuf = a->bf16dot ? 2 : 4; /* bytes an element of a Q or P row of qbuf/pbuf */
     const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
     int32_t kmin = INT32_MAX, kmax = 0;
     for (int64_t r = 0; r < padded; r++) {
@@ -658,10 +659,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             qs[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
             ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
         } else {
-            if (a->bf16dot) /* (rows of d / 2 bfloat16 pairs) */
-                memset(qbuf + r * (d / 2), 0, (size_t)d * 2);
-            else
-                memset(qbuf + r * d, 0, (size_t)d * 4);
+            memset((char *)qbuf + r * d * ebuf, 0, (size_t)(d * ebuf));
             lo[r] = 0, hi[r] = 0, qs[r] = 0, ipf[r] = 0.0f;
         }
         memset(obuf + r * dv, 0, (size_t)dv * 4);
@@ -730,10 +728,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 const float mnew = mx > m[rr] ? mx : m[rr];
                 if (mnew == -INFINITY) { /* nothing visible yet: weights 0, state unchanged */
                     alpha[rr] = 1.0f;
-                    if (a->bf16dot) /* (its row of bfloat16 weights) */
-                        memset((uint16_t *)pbuf + rr * AK_FN, 0, AK_FN * 2);
-                    else
-                        memset(pbuf + rr * AK_FN, 0, AK_FN * 4);
+                    memset((char *)pbuf + rr * AK_FN * ebuf, 0, (size_t)(AK_FN * ebuf));
                     continue;
                 }
                 alpha[rr] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);

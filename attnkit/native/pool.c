@@ -245,10 +245,11 @@ void ak_team_run(ak_pool_fn fn, void *ctx, int n) {
 }
 
 /* The pool's counters, for tests and tuning (out[0 .. AK_POOL_NSTATS)): pool threads started
- * in this process, kernel calls (every ak_pool_run), calls that used the pool, calls that ran
- * alone because another call held it, pool threads woken (all calls together), indices the
- * caller ran beyond its own index 0 (no pool thread had taken them yet), and the threads the
- * latest call ran on, the caller included (1 for a call on the caller alone). */
+ * in this process, kernel calls (every ak_pool_run and ak_team_run), calls that used the pool
+ * or the team, calls that ran alone because another call held it, pool threads woken (all
+ * calls together), indices the caller ran beyond its own index 0 (no pool thread had taken
+ * them yet), and the threads the latest call ran on, the caller included (1 for a call on the
+ * caller alone). */
 void attnkit_pool_stats(int64_t *out) {
     pthread_mutex_lock(&P.mu);
     out[0] = P.nthreads;
