@@ -8,10 +8,11 @@ Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC
 generator behind cuRAND, cuDNN and PyTorch's CUDA dropout) with plain int64 tensor ops, so it
 runs on any device and any tile shape gives bitwise the same values.
 
-Counter layout (four 32-bit words) and key::
+Counter layout (four 32-bit words), key and output word::
 
-    counter = (c0, c1, c2, c3) = (j, i, h + b * 2**16, offset)
+    counter = (c0, c1, c2, c3) = (16 * (j // 64) + j % 16, i, h + b * 2**16, offset)
     key     = (k0, k1)         = (seed mod 2**32, seed // 2**32)
+    word    = (j // 16) % 4    of the call's four output words
 
     b       absolute batch (sequence) index        0 <= b < 2**16
     h       absolute query-head index               0 <= h < 2**16
@@ -20,13 +21,17 @@ Counter layout (four 32-bit words) and key::
     offset  stream number                           0 <= offset < 2**32
     seed    64-bit key                              0 <= seed < 2**64
 
-Every coordinate has its own bits, so no two weights of one call share a Philox input, and
-calls that differ in ``seed`` (the key) or ``offset`` (a counter word) never do. ``offset``
+One Philox call serves four keys of a row: keys ``64 q + 16 w + n`` (``0 <= n < 16``) take
+word ``w`` of the call with ``c0 = 16 q + n``. So a run of 16 consecutive keys takes one word
+each of 16 consecutive calls, which is how a 16-lane vector kernel draws the keep mask of a
+64-key block with 16 calls instead of 64. Every coordinate has its own bits and every key its
+own (call, word) pair, so no two weights of one call share a random, and calls that differ in
+``seed`` (the key) or ``offset`` (a counter word) never do. ``offset``
 selects an independent stream for the same seed (use a fresh seed per call, or one seed and
 ``offset`` = call number, e.g. the layer index); it is *not* a count of randoms consumed as in
 PyTorch's CUDA generator, and there is no need to advance it by the size of a call.
 
-Only the first Philox output word ``x`` is used: ``uniform = (x >> 8) * 2**-24``, a float32 on
+From the chosen output word ``x``: ``uniform = (x >> 8) * 2**-24``, a float32 on
 the 2**-24 grid in [0, 1). A weight is kept when ``uniform >= p`` (exactly, in real
 arithmetic), and kept weights are scaled by ``1 / (1 - p)``.
 
@@ -145,7 +150,7 @@ def _check_range(name: str, x: Tensor, bits: int) -> None:
 class _Grid(NamedTuple):
     """Validated index grid: the three index-dependent counter words and the output shape."""
 
-    c0: Tensor  # j
+    c0: Tensor  # j (the key column; the counter word is worked out from it)
     c1: Tensor  # i
     c2: Tensor  # h + b * 2**16
     shape: torch.Size
@@ -213,20 +218,23 @@ def _mulhilo_split(x: Tensor, m: int) -> Tuple[Tensor, Tensor]:
     return a, lo
 
 
-def _philox_word0(
-    c0: Tensor, c1: Tensor, c2: Tensor, c3: int, k0: int, k1: int, wrap: bool
+def _philox_word(
+    j: Tensor, c1: Tensor, c2: Tensor, c3: int, k0: int, k1: int, wrap: bool
 ) -> Tensor:
-    """First output word of Philox-4x32-10, in the low 32 bits of the returned int64 tensor.
+    """Key column ``j``'s output word of Philox-4x32-10, in the low 32 bits of the result.
 
-    One round (Random123's philox4x32round), all words 32-bit::
+    The call's counter is ``(16 * (j // 64) + j % 16, c1, c2, c3)`` and ``j`` takes its word
+    ``(j // 16) % 4`` (module docstring). One round (Random123's philox4x32round)::
 
         hi0:lo0 = M0 * c0        hi1:lo1 = M1 * c2
         (c0, c1, c2, c3) <- (hi1 ^ c1 ^ k0,  lo1,  hi0 ^ c3 ^ k1,  lo0)
 
     with the key bumped by (W0, W1) between rounds. Words feeding a multiply are masked to
-    32 bits; ``lo`` words are only ever xor-ed and then masked, so they stay unmasked.
+    32 bits; ``lo`` words are only ever xor-ed and then masked, so they stay unmasked, and the
+    bits above 32 of the result are garbage for the caller to drop.
     """
     mulhilo = _mulhilo_wrap if wrap else _mulhilo_split
+    c0 = torch.bitwise_or((j >> 6) << 4, j & 15)
     x1: Union[Tensor, int] = c1
     x3: Union[Tensor, int] = c3
     for r in range(_PHILOX_ROUNDS):
@@ -236,8 +244,6 @@ def _philox_word0(
         hi1, lo1 = mulhilo(c2, _PHILOX_M1)
         n0 = torch.bitwise_xor(hi1, x1)
         n0 ^= k0
-        if r == _PHILOX_ROUNDS - 1:
-            return n0
         n0 &= _MASK32
         hi0, lo0 = mulhilo(c0, _PHILOX_M0)
         if isinstance(x3, int):  # first round: c3 = offset is a scalar
@@ -248,7 +254,10 @@ def _philox_word0(
             n2 ^= k1
         n2 &= _MASK32
         c0, x1, c2, x3 = n0, lo1, n2, lo0
-    raise AssertionError("unreachable")
+    word = (j >> 4) & 3
+    out = torch.where(word == 2, c2, x3)
+    out = torch.where(word == 1, x1, out)
+    return torch.where(word == 0, c0, out)
 
 
 def _chunks(shape: torch.Size, target: int) -> Iterator[Tuple[slice, ...]]:
@@ -280,7 +289,7 @@ def _sub(x: Tensor, idx: Tuple[slice, ...], ndim: int) -> Tensor:
 
 def _fill(seed: int, offset: int, grid: _Grid, out: Tensor,
           convert: Callable[[Tensor, Tensor], None], threshold: Optional[int] = None) -> Tensor:
-    """Run Philox over ``grid`` chunk by chunk; ``convert(word0, out[chunk])`` stores results.
+    """Run Philox over ``grid`` chunk by chunk; ``convert(word, out[chunk])`` stores results.
     On CPU the native kernel (:func:`attnkit.native.philox_fill`, the same bits) does it in
     one pass when it is available: ``threshold`` for a keep mask, None for uniforms."""
     if grid.device.type == "cpu" and len(grid.shape) <= 4 and out.numel():
@@ -296,7 +305,7 @@ def _fill(seed: int, offset: int, grid: _Grid, out: Tensor,
         target = max(1, math.prod(grid.shape))
     nd = len(grid.shape)
     for idx in _chunks(grid.shape, target):
-        w = _philox_word0(_sub(grid.c0, idx, nd), _sub(grid.c1, idx, nd),
+        w = _philox_word(_sub(grid.c0, idx, nd), _sub(grid.c1, idx, nd),
                           _sub(grid.c2, idx, nd), offset, k0, k1, wrap)
         convert(w, out[idx])
     return out

@@ -29,9 +29,25 @@ def philox4x32_ref(ctr, key, rounds=10):
 
 
 def uniform_ref(seed, offset, b, h, i, j):
-    """The documented layout: counter (j, i, h + b * 2**16, offset), key (seed lo, seed hi)."""
-    x = philox4x32_ref((j, i, h + (b << 16), offset), (seed & MASK, seed >> 32))[0]
-    return (x >> 8) * 2.0**-24
+    """The documented layout: key column j takes word (j // 16) % 4 of the call with counter
+    (16 * (j // 64) + j % 16, i, h + b * 2**16, offset) and key (seed lo, seed hi)."""
+    words = philox4x32_ref((16 * (j // 64) + j % 16, i, h + (b << 16), offset),
+                           (seed & MASK, seed >> 32))
+    return (words[(j // 16) % 4] >> 8) * 2.0**-24
+
+
+def test_a_philox_call_serves_four_keys_and_every_key_has_its_own_word():
+    # Keys 64 q + 16 w + n (n < 16) share the call of counter 16 q + n and take its word w, so
+    # no two keys of a row share a word and every word of every call is used.
+    used = {}
+    for j in range(1024):
+        used.setdefault((16 * (j // 64) + j % 16, (j // 16) % 4), []).append(j)
+    assert all(len(js) == 1 for js in used.values())
+    assert sorted(used) == [(c, w) for c in range(256) for w in range(4)]
+    seed, offset = 0x0123456789ABCDEF, 3
+    u = philox_uniform(seed, offset, 1, 2, 5, torch.arange(128))
+    call = philox4x32_ref((16 + 7, 5, 2 + (1 << 16), offset), (seed & MASK, seed >> 32))
+    assert [u[64 + 16 * w + 7].item() for w in range(4)] == [(x >> 8) * 2.0**-24 for x in call]
 
 
 def grid(B, H, Lq, Lk, i0=0, j0=0):

@@ -504,7 +504,7 @@ def test_dropout_keep_mask_is_bit_identical_to_attnkit_dropout():
     """With V = identity the output is the dropped weight matrix itself, so its zeros are the
     kernel's keep mask: it must equal attnkit.dropout.keep_mask for the same seed, offset and
     (b, h, i, j), with a seed above 2**32 and batch and head indices in the counter."""
-    n, hq, lq, lk, p, seed, offset = 2, 3, 33, 40, 0.3, 2 ** 40 + 7, 3
+    n, hq, lq, lk, p, seed, offset = 2, 3, 33, 70, 0.3, 2 ** 40 + 7, 3  # lk > 64: every word
     q = torch.randn(n, hq, lq, 16, generator=torch.Generator().manual_seed(8))
     k = torch.randn(n, hq, lk, 16, generator=torch.Generator().manual_seed(9))
     eye = torch.eye(lk).expand(n, hq, lk, lk)

@@ -658,10 +658,11 @@ def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float,
 
 def philox_fill(c0: Tensor, c1: Tensor, c2: Tensor, seed: int, offset: int, out: Tensor,
                 threshold: Optional[int] = None) -> bool:
-    """Philox-4x32-10 first words over ``out``'s grid, the same bits as
-    :mod:`attnkit.dropout`'s torch ops: ``out`` (bool) gets ``(word >> 8) >= threshold``, or
-    ``out`` (float32, ``threshold=None``) gets ``(word >> 8) * 2**-24``. ``c0, c1, c2`` are
-    int64 counter words (validated by the caller) that broadcast to ``out``'s shape (at most
+    """Philox-4x32-10 words over ``out``'s grid, the same bits as :mod:`attnkit.dropout`'s
+    torch ops: ``out`` (bool) gets ``(word >> 8) >= threshold``, or ``out`` (float32,
+    ``threshold=None``) gets ``(word >> 8) * 2**-24``. ``c0`` (the key columns ``j``, from
+    which the kernel works out each call's counter and word), ``c1, c2`` are int64 index
+    words (validated by the caller) that broadcast to ``out``'s shape (at most
     4-D, contiguous, CPU). Returns False, doing nothing, when the kernel is unavailable."""
     lib = _lib()
     if lib is None:

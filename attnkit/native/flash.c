@@ -69,7 +69,7 @@ typedef struct {
     int32_t out_dtype; /* out: 0 float32, 1 bfloat16, 2 float16 */
     int32_t *bad;      /* set to 1 when an input holds a NaN or an infinity */
     /* dropout (attnkit/dropout.py's Philox-4x32-10, bit for bit): weight (b, h, i, j) is kept
-     * when (word0 >> 8) >= drop_threshold, kept weights scaled by drop_scale */
+     * when (word >> 8) >= drop_threshold (ak_keep64), kept weights scaled by drop_scale */
     int32_t dropout;
     uint32_t drop_threshold, drop_offset;
     uint64_t drop_seed;
@@ -143,15 +143,17 @@ static inline void ak_store_row16(void *p, int dtype, int64_t i, __m512 x) {
     _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
 }
 
-/* Which of keys j0 .. j0 + 15 of row i, batch/head word c2 the dropout keeps: Philox's counter
- * (j, i, c2, offset) and key (seed mod 2^32, seed / 2^32), two registers of 8 counters (one a
- * 64-bit lane: _mm512_mul_epu32 reads the low 32 bits, so the words may carry garbage above
- * them until the end), as philox.c does. */
-static inline __mmask16 ak_keep16(const ak_flash_args *a, int32_t j0, int64_t i, uint32_t c2) {
+/* Which of keys j0 .. j0 + 63 (j0 a multiple of 64) of row i, batch/head word c2 the dropout
+ * keeps, as four masks of 16 keys: keys j0 + 16 w + t take word w of the Philox call with
+ * counter (j0 / 4 + t, i, c2, offset) and key (seed mod 2^32, seed / 2^32), so the block
+ * takes 16 calls, two registers of 8 counters (one a 64-bit lane: _mm512_mul_epu32 reads the
+ * low 32 bits, so the words may carry garbage above them until the end), as philox.c does. */
+static inline void ak_keep64(const ak_flash_args *a, int32_t j0, int64_t i, uint32_t c2,
+                             __mmask16 keep[4]) {
     const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
     const __m512i j8 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    __m512i xa0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0));
-    __m512i xb0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0 + 8));
+    __m512i xa0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0 >> 2));
+    __m512i xb0 = _mm512_add_epi64(j8, _mm512_set1_epi64((j0 >> 2) + 8));
     __m512i xa1 = _mm512_set1_epi64((uint32_t)i), xb1 = xa1;
     __m512i xa2 = _mm512_set1_epi64(c2), xb2 = xa2;
     __m512i xa3 = _mm512_set1_epi64(a->drop_offset), xb3 = xa3;
@@ -168,10 +170,13 @@ static inline __mmask16 ak_keep16(const ak_flash_args *a, int32_t j0, int64_t i,
         key0 += 0x9E3779B9u;
         key1 += 0xBB67AE85u;
     }
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(xa0)),
-                                         _mm512_cvtepi64_epi32(xb0), 1);
-    return _mm512_cmpge_epu32_mask(_mm512_srli_epi32(w, 8),
-                                   _mm512_set1_epi32((int)a->drop_threshold));
+    const __m512i thr = _mm512_set1_epi32((int)a->drop_threshold);
+    const __m512i xa[4] = {xa0, xa1, xa2, xa3}, xb[4] = {xb0, xb1, xb2, xb3};
+    for (int w = 0; w < 4; w++) {
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(xa[w])),
+                                             _mm512_cvtepi64_epi32(xb[w]), 1);
+        keep[w] = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(x, 8), thr);
+    }
 }
 
 /* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by its Taylor
@@ -740,10 +745,11 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                     p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
                     sum = _mm512_add_ps(sum, p[u]);
                 }
-                if (a->dropout) /* the softmax sums every weight; P V only the kept ones */
-                    for (int u = 0; u < 4; u++)
-                        p[u] = _mm512_maskz_mov_ps(
-                            ak_keep16(a, j0 + 16 * u, i0 + rr, (uint32_t)(h + (n << 16))), p[u]);
+                if (a->dropout) { /* the softmax sums every weight; P V only the kept ones */
+                    __mmask16 keep[4];
+                    ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
+                    for (int u = 0; u < 4; u++) p[u] = _mm512_maskz_mov_ps(keep[u], p[u]);
+                }
 #ifdef AK_FLASH_BF16
                 if (a->bf16dot) {
                     uint16_t *pr = (uint16_t *)pbuf + rr * AK_FN;
@@ -1152,18 +1158,17 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                                      rel != NULL ? rel + j0 - rr : NULL, lo[rr], hi[rr], kseg,
                                      qsg[rr], full, capped ? capd + rr * AK_FN : NULL);
                         const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
+                        __mmask16 keep[4] = {0xffff, 0xffff, 0xffff, 0xffff};
+                        if (a->dropout)
+                            ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
                         for (int u = 0; u < 4; u++) {
                             __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
                             __m512 dpu = dp[r][u];
-                            __mmask16 keep = 0xffff;
                             const __m512 zs = _mm512_set1_ps(a->drop_scale);
-                            if (a->dropout) { /* dS = P (Z dP - D), dV += (Z P)^T dO */
-                                keep = ak_keep16(a, j0 + 16 * u, i0 + rr,
-                                                 (uint32_t)(h + (n << 16)));
-                                dpu = _mm512_maskz_mul_ps(keep, dpu, zs);
-                            }
+                            if (a->dropout) /* dS = P (Z dP - D), dV += (Z P)^T dO */
+                                dpu = _mm512_maskz_mul_ps(keep[u], dpu, zs);
                             __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
-                            if (a->dropout) p = _mm512_maskz_mul_ps(keep, p, zs);
+                            if (a->dropout) p = _mm512_maskz_mul_ps(keep[u], p, zs);
                             if (drel != NULL) { /* the table's term is added after softcap */
                                 float *dr = drel + j0 - rr + 16 * u;
                                 _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));

@@ -1,6 +1,8 @@
 /* attnkit native Philox-4x32-10 for replayable dropout: the same bits as the torch-op
- * implementation in attnkit/dropout.py (counter (j, i, h + b * 2^16, offset), key
- * (seed mod 2^32, seed / 2^32), first output word only), one element per lane.
+ * implementation in attnkit/dropout.py (key column j takes word (j / 16) % 4 of the call
+ * with counter (16 (j / 64) + j % 16, i, h + b * 2^16, offset) and key (seed mod 2^32,
+ * seed / 2^32)), one element per lane: this fills arbitrary index grids; the flash kernel
+ * draws a 64-key block with 16 calls instead (flash.c, ak_keep64).
  *
  * The grid is up to 4-D; each of the three index words comes as an int64 array with its own
  * strides over that grid (0 along broadcast dims). Rows of the last dim are copied into small
@@ -21,7 +23,10 @@ static void philox_block(const uint32_t *c0, const uint32_t *c1, const uint32_t 
     const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-        __m512i x0 = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(c0 + t)));
+        const __m512i j = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(c0 + t)));
+        __m512i x0 = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(j, 6), 4),
+                                     _mm512_and_si512(j, _mm512_set1_epi64(15)));
+        const __m512i word = _mm512_and_si512(_mm512_srli_epi64(j, 4), _mm512_set1_epi64(3));
         __m512i x1 = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(c1 + t)));
         __m512i x2 = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(c2 + t)));
         __m512i x3 = _mm512_set1_epi64(c3);
@@ -40,10 +45,17 @@ static void philox_block(const uint32_t *c0, const uint32_t *c1, const uint32_t 
             key0 += 0x9E3779B9u;
             key1 += 0xBB67AE85u;
         }
+        x0 = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(word, _mm512_set1_epi64(1)),
+                                     x0, x1);
+        x0 = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(word, _mm512_set1_epi64(2)),
+                                     x0, x2);
+        x0 = _mm512_mask_blend_epi64(_mm512_cmpeq_epi64_mask(word, _mm512_set1_epi64(3)),
+                                     x0, x3);
         _mm256_storeu_si256((__m256i *)(w + t), _mm512_cvtepi64_epi32(x0)); /* low words */
     }
     for (; t < n; ++t) { /* the tail, one counter at a time */
-        uint32_t x0 = c0[t], x1 = c1[t], x2 = c2[t], x3 = c3, key0 = k0, key1 = k1;
+        uint32_t x0 = ((c0[t] >> 6) << 4) | (c0[t] & 15), x1 = c1[t], x2 = c2[t], x3 = c3;
+        uint32_t key0 = k0, key1 = k1;
         for (int r = 0; r < 10; ++r) {
             const uint64_t p0 = (uint64_t)0xD2511F53u * x0, p1 = (uint64_t)0xCD9E8D57u * x2;
             x0 = (uint32_t)(p1 >> 32) ^ x1 ^ key0;
@@ -53,7 +65,8 @@ static void philox_block(const uint32_t *c0, const uint32_t *c1, const uint32_t 
             key0 += 0x9E3779B9u;
             key1 += 0xBB67AE85u;
         }
-        w[t] = x0;
+        const uint32_t word = (c0[t] >> 4) & 3;
+        w[t] = word == 0 ? x0 : word == 1 ? x1 : word == 2 ? x2 : x3;
     }
 }
 #else
@@ -61,7 +74,7 @@ static void philox_block(const uint32_t *c0, const uint32_t *c1, const uint32_t 
                          uint32_t c3, uint32_t k0, uint32_t k1, int64_t n, uint32_t *w) {
 #pragma omp simd
     for (int64_t t = 0; t < n; ++t) {
-        uint32_t x0 = c0[t], x1 = c1[t], x2 = c2[t], x3 = c3;
+        uint32_t x0 = ((c0[t] >> 6) << 4) | (c0[t] & 15), x1 = c1[t], x2 = c2[t], x3 = c3;
         uint32_t key0 = k0, key1 = k1;
         for (int r = 0; r < 10; ++r) {
             const uint64_t p0 = (uint64_t)0xD2511F53u * x0;
@@ -75,7 +88,8 @@ static void philox_block(const uint32_t *c0, const uint32_t *c1, const uint32_t 
             key0 += 0x9E3779B9u;
             key1 += 0xBB67AE85u;
         }
-        w[t] = x0;
+        const uint32_t word = (c0[t] >> 4) & 3;
+        w[t] = word == 0 ? x0 : word == 1 ? x1 : word == 2 ? x2 : x3;
     }
 }
 #endif

@@ -82,11 +82,14 @@ def _c(x, TR: tl.constexpr):
 
 @triton.jit
 def _philox_keep(seed_lo, seed_hi, offset, b, h_r, i_r, j, threshold, TR: tl.constexpr):
-    """Dropout keep mask of the tile: Philox-4x32-10 with counter (j, i, h + b * 2**16,
-    offset) and key (seed lo, seed hi), word 0; kept iff (word0 >> 8) >= threshold (the same
-    bits as attnkit.dropout.keep_mask)."""
+    """Dropout keep mask of the tile: Philox-4x32-10 with counter (16 * (j // 64) + j % 16,
+    i, h + b * 2**16, offset) and key (seed lo, seed hi), key column j taking word
+    (j // 16) % 4; kept iff (word >> 8) >= threshold (the same bits as
+    attnkit.dropout.keep_mask)."""
     zero = _r(i_r, TR).to(tl.uint32) * 0 + _c(j, TR).to(tl.uint32) * 0
-    c0 = zero + _c(j, TR).to(tl.uint32)
+    jw = zero + _c(j, TR).to(tl.uint32)
+    c0 = ((jw >> 6) << 4) | (jw & 15)
+    word = (jw >> 4) & 3
     c1 = zero + _r(i_r, TR).to(tl.uint32)
     c2 = zero + _r(h_r.to(tl.uint32) + b.to(tl.uint32) * 65536, TR)
     c3 = zero + offset.to(tl.uint32)
@@ -103,7 +106,8 @@ def _philox_keep(seed_lo, seed_hi, offset, b, h_r, i_r, j, threshold, TR: tl.con
         c3 = lo0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    return (c0 >> 8) >= threshold.to(tl.uint32)
+    x = tl.where(word == 0, c0, tl.where(word == 1, c1, tl.where(word == 2, c2, c3)))
+    return (x >> 8) >= threshold.to(tl.uint32)
 
 
 @triton.jit
