@@ -152,24 +152,67 @@ def cu_seqlens(c: Case) -> Tensor:
     return torch.cumsum(lens, 0).to(torch.int32)
 
 
+class _Pack(torch.autograd.Function):
+    """``(B, H, L, D)`` padded batch -> ``(T, H, D)`` packed tokens: one gather of the real
+    rows (no copy of the padded batch); the gradient is scattered back into zeros."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, rows: Tensor, cols: Tensor, flat: Tensor) -> Tensor:
+        ctx.save_for_backward(flat)
+        ctx.shape = x.shape
+        return x.transpose(1, 2)[rows, cols]
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:
+        (flat,) = ctx.saved_tensors
+        b, h, n, d = ctx.shape
+        gx = g.new_zeros(b, n, h, d)
+        gx.view(b * n, h, d).index_copy_(0, flat, g)
+        return gx.transpose(1, 2), None, None, None
+
+
+class _Unpack(torch.autograd.Function):
+    """``(T, H, D)`` packed output -> ``(B, H, L, D)`` zero-padded batch: one gather through a
+    map whose padding entries point at an appended zero row."""
+
+    @staticmethod
+    def forward(ctx: Any, o: Tensor, rows: Tensor, cols: Tensor, gmap: Tensor, b: int,
+                n: int) -> Tensor:
+        ctx.save_for_backward(rows, cols)
+        t, h, d = o.shape
+        padded = torch.cat([o, o.new_zeros(1, h, d)]).index_select(0, gmap)
+        return padded.view(b, n, h, d).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:
+        rows, cols = ctx.saved_tensors
+        return g.transpose(1, 2)[rows, cols], None, None, None, None, None
+
+
+def _pack_maps(c: Case) -> Any:
+    """(batch row, position, flat index) of each real token, and the flat padded position ->
+    packed row map (``T`` for padding)."""
+    flat = packed_index(c)
+    gmap = torch.full((c.batch * c.len_q,), flat.numel(), dtype=torch.int64)
+    gmap[flat] = torch.arange(flat.numel())
+    return flat // c.len_q, flat % c.len_q, flat, gmap
+
+
 def _attnkit_varlen(w: Workload) -> Forward:
-    """``varlen_attention`` on the packed batch; the pack (gather) and unpack (scatter into a
-    zero padded output) run inside the call, so every peer returns the same padded tensor."""
+    """``varlen_attention`` on the packed batch; the pack (a gather of the real rows) and the
+    unpack (a gather into a zero-padded output) run inside the call, so every peer returns the
+    same padded tensor."""
     import attnkit
 
     c = w.case
-    idx = w.cached("packed_index", lambda: packed_index(c))
+    rows, cols, flat, gmap = w.cached("pack_maps", lambda: _pack_maps(c))
     cu = w.cached("cu_seqlens", lambda: cu_seqlens(c))
     b, n = c.batch, c.len_q
 
-    def pack(x: Tensor) -> Tensor:
-        return x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]).index_select(0, idx)
-
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        o = attnkit.varlen_attention(pack(q), pack(k), pack(v), cu, cu, n, n,
-                                     causal=c.causal, scale=w.scale)
-        full = o.new_zeros(b * n, o.shape[1], o.shape[2]).index_copy(0, idx, o)
-        return full.view(b, n, o.shape[1], o.shape[2]).transpose(1, 2)
+        qp, kp, vp = (_Pack.apply(x, rows, cols, flat) for x in (q, k, v))
+        o = attnkit.varlen_attention(qp, kp, vp, cu, cu, n, n, causal=c.causal, scale=w.scale)
+        return _Unpack.apply(o, rows, cols, gmap, b, n)
 
     return forward
 
