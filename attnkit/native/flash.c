@@ -148,6 +148,7 @@ static inline void ak_store_row16(void *p, int dtype, int64_t i, __m512 x) {
  * counter (j0 / 4 + t, i, c2, offset) and key (seed mod 2^32, seed / 2^32), so the block
  * takes 16 calls, two registers of 8 counters (one a 64-bit lane: _mm512_mul_epu32 reads the
  * low 32 bits, so the words may carry garbage above them until the end), as philox.c does. */
+_Static_assert(AK_FN == 64, "ak_keep64 draws the keep masks of one 64-key block");
 static inline void ak_keep64(const ak_flash_args *a, int32_t j0, int64_t i, uint32_t c2,
                              __mmask16 keep[4]) {
     const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
