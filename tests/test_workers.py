@@ -125,3 +125,42 @@ def test_a_forked_child_gets_its_own_threads():
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_one_thread_leaves_small_blocks_and_switches_for_large_ones(monkeypatch):
+    """Under torch's grain a block's ops run on the caller anyway: no thread-count switch
+    (tens of microseconds each); at or over it the block runs single-threaded."""
+    calls = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with workers.one_thread(workers.TORCH_GRAIN - 1):
+        pass
+    assert calls == []
+    with workers.one_thread(workers.TORCH_GRAIN):
+        assert calls == [1]
+    assert calls == [1, 2]
+    calls.clear()
+    with workers.one_thread():  # unknown size: switch
+        pass
+    assert calls == [1, 2]
+
+
+@pytest.mark.skipif(not (attnkit.native.available() and attnkit.native.build_info().get("flash")),
+                    reason="needs the native flash kernel")
+@pytest.mark.parametrize("length", [64, 16384], ids=["small", "large"])
+def test_flash_terms_switch_threads_only_for_large_calls(length, monkeypatch):
+    """The flash executor's terms (rows' key intervals) are small for short sequences: built
+    without a thread-count switch there, with one for long ones; the same output as the
+    oracle either way."""
+    sizes = []
+    real = workers.one_thread
+    monkeypatch.setattr(workers, "one_thread",
+                        lambda elements=None: (sizes.append(elements), real(elements))[1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, length, 16, generator=g) for _ in range(3))
+    out = attnkit.attention(q, k, v, window=(8, 0), backend="flash")
+    assert sizes and all(s >= 2 * length for s in sizes)  # rows and key ids
+    assert all(s < workers.TORCH_GRAIN for s in sizes) == (length == 64)
+    ref = attention_reference(q.double(), k.double(), v.double(), window=(8, 0))
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)

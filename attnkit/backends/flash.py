@@ -156,14 +156,15 @@ def aligned_positions(spec: AttentionSpec) -> Tensor:
 
 
 def bounds(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
-    """Per row the visible key interval ``[lo, hi)``, ``(N|1, Lq)`` int64: causal/window
+    """Per row the visible key interval ``[lo, hi)``, ``(N|1, Lq)`` int64 (int32, clamped,
+    when every row sees every key): causal/window
     relative to the aligned position ``i'``, then key padding, left padding and query
     padding (a call with none of them: every row sees every key)."""
     n, lq, lk = spec.n, spec.lq, spec.lk
     if not spec.has_band and spec.seqlens_kv is None and spec.starts_kv is None and (
             spec.seqlens_q is None):
-        return (torch.zeros((1, lq), dtype=torch.int64),
-                torch.full((1, lq), lk, dtype=torch.int64))
+        return (torch.zeros((1, lq), dtype=torch.int32),
+                torch.full((1, lq), min(lk, 2**31 - 1), dtype=torch.int32))
     ip = aligned_positions(spec)
     lo = torch.zeros_like(ip)
     hi = torch.full_like(ip, lk)
@@ -347,6 +348,12 @@ def _blocks_agree(bm: Any, lo: Tensor, hi: Tensor, lq: int, lk: int) -> bool:
     return not (bool(((kinds == 2) & ~full).any()) or bool(((kinds == 0) & any_).any()))
 
 
+def _terms_elements(spec: AttentionSpec) -> int:
+    """A bound on the elements of any tensor :func:`terms` builds: rows ``(N|1, Lq)``, key
+    ids ``(N|1, Lk + FLASH_BLOCK)``, the relative table ``(Hq|1, <= Lq + Lk + FLASH_BLOCK)``."""
+    return max(spec.n, spec.hq) * (spec.lq + spec.lk + 2 * native.FLASH_BLOCK)
+
+
 def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     """The kernel's terms for ``spec`` (None: a mask structure the kernel cannot take after
     all, such as ids for another batch size)."""
@@ -360,7 +367,8 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     if spec.segments_q is not None:
         lo, hi, segments = _segments(spec, lo, hi)
     lim = torch.iinfo(torch.int32)
-    lo, hi = (x.clamp(lim.min, lim.max) for x in (lo, hi))
+    lo, hi = (x if x.dtype == torch.int32 else x.clamp(lim.min, lim.max).to(torch.int32)
+              for x in (lo, hi))
     t = native.FlashTerms(lo=lo, hi=hi, segments=segments, softcap=spec.softcap or 0.0,
                           sinks=spec.sinks)
     if "dropout" in spec.features():
@@ -376,7 +384,7 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
     inputs' dtype."""
-    with workers.one_thread():  # (small ops on (N, Lq) rows: no parallel region each)
+    with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
         t = terms(spec)
     res = None
     if t is not None:
@@ -402,7 +410,7 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
     table_grad = bool(spec.score_mod_params)
     if not table_grad or (table is not None and len(spec.score_mod_params) == 1
                           and spec.score_mod_params[0] is table):
-        with workers.one_thread():
+        with workers.one_thread(_terms_elements(spec)):
             t = terms(spec)
     if t is not None:
         try:

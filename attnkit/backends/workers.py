@@ -49,13 +49,23 @@ if hasattr(os, "register_at_fork"):  # the lock may have been held by a thread t
     os.register_at_fork(after_in_child=lambda: globals().update(_lock=threading.Lock()))
 
 
+#: torch's ``at::internal::GRAIN_SIZE``: an operator over fewer elements than this runs on
+#: the calling thread (no parallel region) whatever the thread count
+TORCH_GRAIN = 32768
+
+
 @contextlib.contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread(elements: Optional[int] = None) -> Iterator[None]:
     """torch ops on the calling thread alone inside the block (small elementwise work such as
     a mask tile: split across threads it costs a parallel region each, which a busy machine
-    makes slow, for little work)."""
+    makes slow, for little work).
+
+    ``elements``: the most elements any op in the block touches, when the caller knows it;
+    under :data:`TORCH_GRAIN` torch keeps such ops on the calling thread anyway, and the
+    block runs as it is (switching torch's thread count costs tens of microseconds in a
+    call of about a millisecond)."""
     before = torch.get_num_threads()
-    if before == 1:
+    if before == 1 or (elements is not None and elements < TORCH_GRAIN):
         yield
         return
     torch.set_num_threads(1)
