@@ -292,7 +292,8 @@ def test_bfloat16_dot_products_and_float32_arithmetic_both_keep_the_rule(dot, mo
     for d in (64, 48):  # (48: not a multiple of 32, always float32 arithmetic)
         q, k, v = _qkv(dtype=torch.bfloat16, lq=257, lk=333, d=d, dv=32)
         for kw in (dict(), dict(causal=True, diagonal="bottom_right"), dict(window=(40, 0)),
-                   dict(softcap=3.0), dict(alibi_slopes=torch.rand(4))):
+                   dict(softcap=3.0), dict(alibi_slopes=torch.rand(4)),
+                   dict(scale=-0.2), dict(scale=0.4, window=(3, 3))):  # (the scale's sign)
             out = attnkit.attention(q, k, v, **kw)
             r = ref(q.double(), k.double(), v.double(), **kw)
             qf, kf, vf = (x.float() for x in (q, k, v))
@@ -546,3 +547,4 @@ def test_auto_defers_plain_calls_on_the_256_bit_build(monkeypatch):
         assert backends.select(build_spec(q, k, v, **kw)) is flash, kw
     info["flash_bits"] = 512
     assert backends.select(build_spec(q, k, v, causal=True)) is flash
+

@@ -214,6 +214,45 @@ static inline __m512 ak_tanh(__m512 x) {
     return _mm512_or_ps(t, _mm512_and_ps(x, sign));
 }
 
+#if defined(__AVX512F__)
+/* lane r: the maximum (sum) of row r's 16 lanes, four rows in one butterfly */
+static inline __m512 ak_rows4_pairs(__m512 a, __m512 b, int add) {
+    return add ? _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+               : _mm512_max_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+static inline __m128 ak_rows4(__m512 x0, __m512 x1, __m512 x2, __m512 x3, int add) {
+    const __m512 a = ak_rows4_pairs(x0, x1, add), b = ak_rows4_pairs(x2, x3, add);
+    const __m512 lo = _mm512_shuffle_ps(a, b, 0x44), hi = _mm512_shuffle_ps(a, b, 0xEE);
+    __m512 c = add ? _mm512_add_ps(lo, hi) : _mm512_max_ps(lo, hi);
+    __m512 t = _mm512_shuffle_f32x4(c, c, 0x4E);
+    c = add ? _mm512_add_ps(c, t) : _mm512_max_ps(c, t);
+    t = _mm512_shuffle_f32x4(c, c, 0xB1);
+    c = add ? _mm512_add_ps(c, t) : _mm512_max_ps(c, t);
+    return _mm512_castps512_ps128(c);
+}
+
+static inline __m128 ak_exp2_4(__m128 x) {
+    return _mm512_castps512_ps128(ak_exp2(_mm512_zextps128_ps512(x)));
+}
+#else
+static inline __m128 ak_rows4(__m512 x0, __m512 x1, __m512 x2, __m512 x3, int add) {
+    return add ? _mm_setr_ps(_mm512_reduce_add_ps(x0), _mm512_reduce_add_ps(x1),
+                             _mm512_reduce_add_ps(x2), _mm512_reduce_add_ps(x3))
+               : _mm_setr_ps(_mm512_reduce_max_ps(x0), _mm512_reduce_max_ps(x1),
+                             _mm512_reduce_max_ps(x2), _mm512_reduce_max_ps(x3));
+}
+
+static inline __m128 ak_exp2_4(__m128 x) {
+    float v[16] = {0}, y[16];
+    _mm_storeu_ps(v, x);
+    _mm512_storeu_ps(y, ak_exp2(_mm512_loadu_ps(v)));
+    return _mm_loadu_ps(y);
+}
+#endif
+#define ak_rows4_max(x0, x1, x2, x3) ak_rows4(x0, x1, x2, x3, 0)
+#define ak_rows4_add(x0, x1, x2, x3) ak_rows4(x0, x1, x2, x3, 1)
+
 /* acc[r][u] = o[r * stride + c0 + 16 u] (times alpha[r] unless alpha is NULL), 4 x 4 vectors;
  * and back */
 static inline void ak_load44(__m512 acc[4][4], const float *o, int64_t stride, int64_t c0,
@@ -626,6 +665,9 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     static const float LOG2E = 1.4426950408889634f;
     const int capped = a->softcap > 0.0f;
     const float qmul = capped ? a->scale : a->scale * LOG2E;
+    /* bfloat16 dot products give unscaled scores: with no score term to add, the scale goes
+     * into the weights' exponent (one multiply-subtract) and the maxima (four rows at once) */
+    const int fold = a->bf16dot && !capped && a->alibi == NULL && a->rel == NULL && qmul > 0.0f;
     float *qbuf = a->ws + (int64_t)worker * AK_WS_FWD;
     float *obuf = qbuf + AK_FM * AK_FD, *pbuf = obuf + AK_FM * AK_FD;
     float m[AK_FM], l[AK_FM];
@@ -718,34 +760,47 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             if (a->bf16dot) {
                 ak_scores_bf((const uint32_t *)qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
                              s);
-                const __m512 qm = _mm512_set1_ps(qmul);
-                for (int r = 0; r < AK_FR; r++)
-                    for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+                if (!fold) {
+                    const __m512 qm = _mm512_set1_ps(qmul);
+                    for (int r = 0; r < AK_FR; r++)
+                        for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+                }
             } else
 #endif
                 ak_scores(qbuf + r0 * d, d, kt, s);
+            /* the group's four rows together: their maxima in one 4-row reduction, the new
+             * running maxima and rescales as one vector (a row that sees nothing yet keeps
+             * weight 0 on base 0: its scores are all -inf) */
+            __m512 rv[AK_FR];
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
                 ak_row_terms(a, s[r], j0, ipf[rr], slope, rel != NULL ? rel + j0 - rr : NULL,
                              lo[rr], hi[rr], kseg, qs[rr], full, NULL);
-                const __m512 mx4 = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
-                                                 _mm512_max_ps(s[r][2], s[r][3]));
-                const float mx = _mm512_reduce_max_ps(mx4);
-                const float mnew = mx > m[rr] ? mx : m[rr];
-                if (mnew == -INFINITY) { /* nothing visible yet: weights 0, state unchanged */
-                    alpha[rr] = 1.0f;
-                    memset((char *)pbuf + rr * AK_FN * ebuf, 0, (size_t)(AK_FN * ebuf));
-                    continue;
-                }
-                alpha[rr] = m[rr] == -INFINITY ? 0.0f : exp2f(m[rr] - mnew);
-                m[rr] = mnew;
-                const __m512 mb = _mm512_set1_ps(mnew);
-                __m512 sum = _mm512_setzero_ps();
+                rv[r] = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
+                                      _mm512_max_ps(s[r][2], s[r][3]));
+            }
+            __m128 mx = ak_rows4_max(rv[0], rv[1], rv[2], rv[3]);
+            if (fold) mx = _mm_mul_ps(mx, _mm_set1_ps(qmul));
+            const __m128 mold = _mm_loadu_ps(m + r0);
+            const __m128 mnew = _mm_max_ps(mx, mold);
+            const __m128 base = _mm_blendv_ps(mnew, _mm_setzero_ps(),
+                                              _mm_cmpeq_ps(mnew, _mm_set1_ps(-INFINITY)));
+            const __m128 al = ak_exp2_4(_mm_sub_ps(mold, base));
+            float bs[AK_FR];
+            _mm_storeu_ps(m + r0, mnew);
+            _mm_storeu_ps(alpha + r0, al);
+            _mm_storeu_ps(bs, base);
+            for (int r = 0; r < AK_FR; r++) {
+                const int64_t rr = r0 + r;
                 __m512 p[4];
-                for (int u = 0; u < 4; u++) {
-                    p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
-                    sum = _mm512_add_ps(sum, p[u]);
+                if (fold) {
+                    const __m512 qm = _mm512_set1_ps(qmul), nb = _mm512_set1_ps(-bs[r]);
+                    for (int u = 0; u < 4; u++) p[u] = ak_exp2(_mm512_fmadd_ps(s[r][u], qm, nb));
+                } else {
+                    const __m512 mb = _mm512_set1_ps(bs[r]);
+                    for (int u = 0; u < 4; u++) p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
                 }
+                rv[r] = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
                 if (a->dropout) { /* the softmax sums every weight; P V only the kept ones */
                     __mmask16 keep[4];
                     ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
@@ -760,8 +815,9 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 } else
 #endif
                     for (int u = 0; u < 4; u++) _mm512_storeu_ps(pbuf + rr * AK_FN + 16 * u, p[u]);
-                l[rr] = l[rr] * alpha[rr] + _mm512_reduce_add_ps(sum);
             }
+            const __m128 sum = ak_rows4_add(rv[0], rv[1], rv[2], rv[3]);
+            _mm_storeu_ps(l + r0, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l + r0), al), sum));
         }
         /* P V once every group's weights are written (not read back straight after the
          * stores that wrote them) */
