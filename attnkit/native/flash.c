@@ -19,7 +19,8 @@
  *   - sinks: one extra logit per head in the denominator.
  * A key block that every row of a group sees whole skips the visibility test; one that no row
  * of the group sees is skipped. Scores are kept in the base-2 domain (log2(e) folded into the
- * scale and the terms), so each weight is one exp2: a degree-6 polynomial and a scalef.
+ * scale and the terms), so each weight is one exp2: a degree-5 polynomial and a scalef
+ * (degree 4 for weights rounded to bfloat16).
  *
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
  * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
@@ -180,18 +181,31 @@ static inline void ak_keep64(const ak_flash_args *a, int32_t j0, int64_t i, uint
     }
 }
 
-/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by its Taylor
- * polynomial of degree 6 (relative error below 1.2e-7), times 2^n by scalef */
+/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by a degree-5
+ * polynomial fitted for relative error (below 2.6e-7, 2^0 exactly 1), times 2^n by scalef */
 static inline __m512 ak_exp2(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x); /* NaN in x is kept (second operand) */
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    __m512 p = _mm512_set1_ps(1.30842137e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67658684e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55148013e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221381e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93146288e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* the same to degree 4 (relative error below 4.5e-6) for weights that are then rounded to
+ * bfloat16 (relative 3.9e-3) for the bfloat16 dot products */
+static inline __m512 ak_exp2_bf(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.61857196e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59631027e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40234613e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93113625e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
@@ -795,7 +809,11 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                 __m512 p[4];
                 if (fold) {
                     const __m512 qm = _mm512_set1_ps(qmul), nb = _mm512_set1_ps(-bs[r]);
-                    for (int u = 0; u < 4; u++) p[u] = ak_exp2(_mm512_fmadd_ps(s[r][u], qm, nb));
+                    for (int u = 0; u < 4; u++)
+                        p[u] = ak_exp2_bf(_mm512_fmadd_ps(s[r][u], qm, nb));
+                } else if (a->bf16dot) {
+                    const __m512 mb = _mm512_set1_ps(bs[r]);
+                    for (int u = 0; u < 4; u++) p[u] = ak_exp2_bf(_mm512_sub_ps(s[r][u], mb));
                 } else {
                     const __m512 mb = _mm512_set1_ps(bs[r]);
                     for (int u = 0; u < 4; u++) p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
