@@ -394,6 +394,32 @@ static inline __m512i ak_pair16(const uint16_t *ra, const uint16_t *rb) {
     return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+#if defined(__AVX512F__)
+/* 16 x 16 32-bit words in place: r[i] (word c of row i in lane c) becomes column i */
+static inline void ak_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
 /* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
 
 typedef struct {
@@ -419,6 +445,22 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
             const int64_t nk = a->Lk - j0 < AK_FN ? a->Lk - j0 : AK_FN;
             if (a->bf16dot) { /* 32-bit pairs of one key's dims, transposed; value pairs */
                 uint32_t *kd = (uint32_t *)a->kt + t * (d / 2) * AK_FN;
+#if defined(__AVX512F__)
+                for (int64_t j16 = 0; j16 < AK_FN; j16 += 16) /* 16 keys x 16 pairs at once */
+                    for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
+                        __m512i r[16];
+                        for (int i = 0; i < 16; i++) {
+                            r[i] = j16 + i < nk ? _mm512_loadu_si512((const void *)(
+                                       (const uint32_t *)(kbase + (j0 + j16 + i) * a->ks[2] *
+                                                          esz) + c0))
+                                                : _mm512_setzero_si512();
+                            bad |= ak_nonfinite_bf16(r[i]) != 0;
+                        }
+                        ak_transpose16(r);
+                        for (int i = 0; i < 16; i++)
+                            _mm512_storeu_si512((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
+                    }
+#else
                 for (int64_t jj = 0; jj < nk; jj++)
                     for (int64_t c = 0; c < d; c += 32)
                         bad |= ak_nonfinite_bf16(_mm512_loadu_si512(
@@ -428,6 +470,7 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
                     for (int64_t jj = 0; jj < AK_FN; jj++)
                         kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)(
                             kbase + (j0 + jj) * a->ks[2] * esz))[c] : 0u;
+#endif
                 const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
                 const int64_t npairs = (a->Lk + 1) / 2;
                 uint32_t *vd = (uint32_t *)a->vf + (nh * npairs + j0 / 2) * dv;
