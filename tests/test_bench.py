@@ -745,3 +745,31 @@ def test_kv_bytes_counts_one_byte_per_element_for_an_fp8_cache() -> None:
     fp8 = next(c for c in CATALOG if c.name == "paged_decode_fp8")
     bf16 = next(c for c in CATALOG if c.name == "paged_decode")
     assert kv_bytes(fp8, torch.bfloat16) * 2 == kv_bytes(bf16, torch.bfloat16)
+
+
+def test_contended_runs_sample_longer_and_take_more_rounds(monkeypatch) -> None:
+    """With --contend the defaults are 100 ms samples and at least 5 rounds (a scheduler's
+    slices are milliseconds long); explicit options win; a quiet run keeps 20 ms."""
+    from attnkit.bench import sampling
+
+    assert sampling(3, 0, None) == (3, 0.02)
+    assert sampling(3, 1, None) == (5, 0.1)
+    assert sampling(7, 2, None) == (7, 0.1)
+    assert sampling(3, 1, 5.0) == (5, 0.005)
+    seen = {}
+
+    def fake(settings):
+        seen.update(repeat=settings.repeat, default_repeat=settings.default_repeat,
+                    min_sample_s=settings.min_sample_s, contend=settings.contend)
+        return {}, []
+
+    import attnkit.bench as bench
+
+    monkeypatch.setattr(bench, "_run_with_progress", fake)
+    assert run_from_args(_parse("--only", "small_256", "--contend", "1")) == 0
+    assert seen == dict(repeat=None, default_repeat=5, min_sample_s=0.1, contend=1)
+    assert run_from_args(_parse("--only", "small_256", "--contend", "1", "--repeat", "2",
+                                "--min-sample-ms", "30")) == 0
+    assert seen == dict(repeat=2, default_repeat=5, min_sample_s=0.03, contend=1)
+    assert run_from_args(_parse("--only", "small_256")) == 0
+    assert seen["default_repeat"] == 3 and seen["min_sample_s"] == 0.02

@@ -40,7 +40,7 @@ import datetime
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["DESCRIPTION", "QUICK_TIME", "SUITE_DEFAULTS", "add_arguments", "main",
            "run_from_args"]
@@ -69,6 +69,26 @@ SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
                 "repeat": 3},
 }
 """Defaults each suite gives to options left unset."""
+
+
+#: a sample's least length on a quiet machine, and with --contend: a busy machine's
+#: scheduler hands the cores out in slices of a few milliseconds, so a short sample measures
+#: whether a busy process happened to hold a core then, not the speed that survives it
+QUIET_SAMPLE_MS = 20.0
+CONTENDED_SAMPLE_MS = 100.0
+#: the least default rounds with --contend (their per-round ratios vary more)
+CONTENDED_REPEAT = 5
+
+
+def sampling(suite_repeat: int, contend: int, min_sample_ms: Optional[float]
+             ) -> Tuple[int, float]:
+    """The default rounds per case and the least sample length (seconds) for a run with
+    ``contend`` busy processes; an explicit ``--min-sample-ms`` wins (``--repeat`` is applied
+    by the runner over these defaults)."""
+    rounds = max(suite_repeat, CONTENDED_REPEAT) if contend else suite_repeat
+    if min_sample_ms is None:
+        min_sample_ms = CONTENDED_SAMPLE_MS if contend else QUIET_SAMPLE_MS
+    return rounds, min_sample_ms / 1e3
 
 
 def _csv(text: str) -> List[str]:
@@ -132,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="draw time per case per peer to PATH (needs matplotlib)")
     parser.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
-                        help="timed rounds per case (default: quick 3, standard 3, long 2; "
+                        help="timed rounds per case (default: quick 3, standard 3, long 2, at "
+                             f"least {CONTENDED_REPEAT} with --contend; "
                              "slow cases cap it unless given here)")
     mem = parser.add_mutually_exclusive_group()
     mem.add_argument("--memory", dest="memory", action="store_const", const="all",
@@ -145,8 +166,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=6.0,
                         metavar="GIB", help="skip a peer whose estimated extra memory exceeds "
                                             "this (default 6 GiB)")
-    parser.add_argument("--min-sample-ms", type=_number(0, False), default=20.0, metavar="MS",
-                        help="repeat small calls inside one sample to last at least this long")
+    parser.add_argument("--min-sample-ms", type=_number(0, False), default=None, metavar="MS",
+                        help="repeat small calls inside one sample to last at least this long "
+                             f"(default {QUIET_SAMPLE_MS:g}; {CONTENDED_SAMPLE_MS:g} with "
+                             "--contend)")
     parser.add_argument("--no-malloc-tune", dest="tune_malloc", action="store_false",
                         help="leave glibc's malloc thresholds at their defaults (by default "
                              "they are fixed, which removes a slow-first-calls transient)")
@@ -218,7 +241,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         return _error(f"--repeat must be >= 1, got {args.repeat}")
     if not args.mem_budget_gib > 0:
         return _error(f"--mem-budget must be > 0 GiB, got {args.mem_budget_gib}")
-    if not args.min_sample_ms >= 0:
+    if args.min_sample_ms is not None and not args.min_sample_ms >= 0:
         return _error(f"--min-sample-ms must be >= 0, got {args.min_sample_ms}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         problem = _unwritable(path)
@@ -231,12 +254,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     from .runner import Settings
 
+    contend = getattr(args, "contend", 0)
+    default_repeat, min_sample_s = sampling(defaults["repeat"], contend, args.min_sample_ms)
     settings = Settings(
         suite=args.suite, cases=cases, dtypes=dtypes, passes=passes, peers=peers,
-        repeat=args.repeat, default_repeat=defaults["repeat"], memory=args.memory,
-        mem_budget_gib=args.mem_budget_gib, min_sample_s=args.min_sample_ms / 1e3,
+        repeat=args.repeat, default_repeat=default_repeat, memory=args.memory,
+        mem_budget_gib=args.mem_budget_gib, min_sample_s=min_sample_s,
         only=list(args.only or []), tune_malloc=getattr(args, "tune_malloc", True),
-        contend=getattr(args, "contend", 0))
+        contend=contend)
     doc, results = _run_with_progress(settings)
     if args.json:
         from .report import write_json
