@@ -181,34 +181,26 @@ static inline void ak_keep64(const ak_flash_args *a, int32_t j0, int64_t i, uint
     }
 }
 
-/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by a degree-5
- * polynomial fitted for relative error (below 2.6e-7, 2^0 exactly 1), times 2^n by scalef */
-static inline __m512 ak_exp2(__m512 x) {
+/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by the polynomial
+ * c[0] + c[1] f + ... of degree `deg` (a constant where it is inlined), times 2^n by scalef */
+static inline __m512 ak_exp2_poly(__m512 x, const float *c, int deg) {
     x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x); /* NaN in x is kept (second operand) */
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.30842137e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67658684e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55148013e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40221381e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93146288e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(c[deg]);
+    for (int i = deg - 1; i >= 0; i--) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
     return _mm512_scalef_ps(p, n);
 }
 
-/* the same to degree 4 (relative error below 4.5e-6) for weights that are then rounded to
- * bfloat16 (relative 3.9e-3) for the bfloat16 dot products */
-static inline __m512 ak_exp2_bf(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.61857196e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.59631027e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40234613e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93113625e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+/* fitted for relative error with 2^0 exactly 1: degree 5 below 2.6e-7; degree 4 below 4.5e-6,
+ * for weights then rounded to bfloat16 (relative 3.9e-3) for the bfloat16 dot products */
+static const float AK_EXP2_C5[6] = {1.0f, 6.93146288e-1f, 2.40221381e-1f, 5.55148013e-2f,
+                                    9.67658684e-3f, 1.30842137e-3f};
+static const float AK_EXP2_C4[5] = {1.0f, 6.93113625e-1f, 2.40234613e-1f, 5.59631027e-2f,
+                                    9.61857196e-3f};
+
+static inline __m512 ak_exp2(__m512 x) { return ak_exp2_poly(x, AK_EXP2_C5, 5); }
+static inline __m512 ak_exp2_bf(__m512 x) { return ak_exp2_poly(x, AK_EXP2_C4, 4); }
 
 /* tanh(x) = sign(x) (1 - E) / (1 + E), E = 2^(-2 log2(e) |x|); an odd polynomial near 0 */
 static inline __m512 ak_tanh(__m512 x) {
