@@ -471,6 +471,66 @@ def test_the_wrapper_checks_its_arguments():
                               torch.zeros(2, 4, 150))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gradients_written_in_the_inputs_dtype_are_the_float32_ones_rounded(dtype, threads):
+    """grad_dtype: the kernel writes dQ, dK and dV in bfloat16/float16 itself (no conversion
+    op after it); the same bits as its float32 gradients rounded by torch (GQA, a window,
+    more rows than one block)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 150, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 150, 64, generator=g).to(dtype) for _ in range(2))
+    lo = (torch.arange(150) - 40).clamp(min=0).view(1, -1)
+    hi = (torch.arange(150) + 1).view(1, -1)
+    t = native.FlashTerms(lo=lo, hi=hi)
+    out, lse = native.flash_forward(q, k, v, 0.125, t)
+    dout = torch.randn(2, 4, 150, 64, generator=g).to(dtype)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = native.flash_backward(q, k, v, 0.125, t, dout, out, lse)
+        got = native.flash_backward(q, k, v, 0.125, t, dout, out, lse, grad_dtype=dtype)
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(got[:3], want[:3]):
+        assert a.dtype == dtype and b.dtype == torch.float32 and a.shape == b.shape
+        assert torch.equal(a, b.to(dtype))
+    assert torch.equal(got[4], want[4])  # delta
+    with pytest.raises(TypeError, match="grad_dtype"):
+        native.flash_backward(q, k, v, 0.125, t, dout, out, lse, grad_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shared_kv", [False, True], ids=["own_kv", "kv_shared_by_batch"])
+def test_bfloat16_gradients_from_the_kernel_or_summed_in_float32(shared_kv, monkeypatch):
+    """The executor has the kernel write bfloat16 gradients, except for a k and v shared by
+    the batch (their gradient is summed over it afterwards, in float32); either way the
+    oracle's gradients within FlashAttention's rule (3x for gradients)."""
+    g = torch.Generator().manual_seed(4)
+    q = rand(3, 2, 70, 32, gen=g, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (rand(1 if shared_kv else 3, 2, 70, 32, gen=g, dtype=torch.bfloat16,
+                 requires_grad=True) for _ in range(2))
+    asked = []
+    real = native.flash_backward
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("grad_dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "flash_backward", recording)
+    out = attnkit.attention(q, k, v, causal=True, backend="flash")
+    do = rand(*out.shape, gen=g, dtype=torch.bfloat16)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    assert asked == [None if shared_kv else torch.bfloat16]
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(ref(*x64, causal=True), x64, do.double())
+    xs = [x.detach().requires_grad_() for x in (q, k, v)]
+    plain = torch.autograd.grad(naive_attention(*xs, causal=True), xs, do)
+    for a, r, p in zip(got, want, plain):
+        assert a.dtype == torch.bfloat16 and a.shape == r.shape
+        ok, err, base = fa_tolerance_ok(a, r, p, mult=3.0)
+        assert ok, (err, base)
+
+
 # ---- the 256-bit build (AVX2 + FMA + F16C: flash.c through avx2_as_512.h) ----------------
 
 _AVX2_SCRIPT = r"""

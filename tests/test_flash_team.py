@@ -59,9 +59,13 @@ def test_the_team_is_torchs_openmp_runtime_or_the_pool():
         assert runtimes is not None and len(runtimes) == 1, runtimes
         assert "parallel backend: OpenMP" in torch.__config__.parallel_info()
     q, k, v = _inputs()
-    before = native.pool_stats()
-    out = _flash(q, k, v, threads=2)
-    woken = native.pool_stats()["woken"] - before["woken"]
+    native._team_tune(late_ns=10**12, hold_ns=0)  # (a busy test machine: stay on the team)
+    try:
+        before = native.pool_stats()
+        out = _flash(q, k, v, threads=2)
+        woken = native.pool_stats()["woken"] - before["woken"]
+    finally:
+        native._team_tune()
     _check_oracle(out, q, k, v)
     assert native.pool_stats()["last_threads"] == 2
     # on the team no pool thread is woken; on the pool each of the call's regions wakes one
@@ -107,6 +111,34 @@ def test_the_pool_gives_the_same_forward_bits_as_the_team(tmp_path):
     assert torch.equal(out.detach(), theirs[0])
     for a, b in zip(grads, theirs[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native.build_info().get("team") != "openmp",
+                    reason="the library does not run on torch's OpenMP team here")
+def test_a_late_team_thread_sends_the_next_calls_to_the_pool():
+    """A team thread that starts late (here: any delay counts) marks the machine busy: the
+    following calls run on the pool (which wakes its threads and never waits for one that
+    has not started), with the same forward bits, until the hold ends; then the team again."""
+    q, k, v = _inputs(2)
+    want = _flash(q, k, v, threads=1)
+    native._team_tune(late_ns=-1, hold_ns=60 * 10**9)
+    try:
+        s0 = native.pool_stats()
+        first = _flash(q, k, v, threads=2)  # its first region on the team, found late
+        s1 = native.pool_stats()
+        held = _flash(q, k, v, threads=2)   # within the hold: both regions on the pool
+        s2 = native.pool_stats()
+        native._team_tune(late_ns=10**12, hold_ns=0)  # the hold ended, nothing counts late
+        after = _flash(q, k, v, threads=2)
+        s3 = native.pool_stats()
+    finally:
+        native._team_tune()
+    assert torch.equal(first, want) and torch.equal(held, want) and torch.equal(after, want)
+    # the forward is two regions: keys packed, then the query blocks
+    assert s1["team_late"] - s0["team_late"] == 1 and s1["team_held"] - s0["team_held"] == 1
+    assert s2["team_held"] - s1["team_held"] == 2 and s2["team_late"] == s1["team_late"]
+    assert s2["woken"] - s1["woken"] == 2 and s2["last_threads"] == 2
+    assert s3["team_held"] == s2["team_held"] and s3["woken"] == s2["woken"]
 
 
 def test_thread_counts_and_concurrent_callers_give_the_same_bits():

@@ -400,6 +400,20 @@ def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     return ForwardResult(out=out, lse=lse, max_scores=mx)
 
 
+def _grad_dtype(spec: AttentionSpec) -> Optional[torch.dtype]:
+    """The dtype the kernel writes dQ, dK and dV in: the inputs' own for bfloat16 and float16
+    (each gradient then is what the caller would get from the float32 sums by one rounding,
+    without a conversion op of its own after the kernel), where no input was broadcast over
+    the batch (whose gradient the caller sums over it, better in float32); else None
+    (float32)."""
+    dt = spec.q.dtype
+    if dt not in (torch.bfloat16, torch.float16) or len(spec.batch_shape) > 1:
+        return None
+    if spec.n > 1 and any(x.stride(0) == 0 for x in (spec.q, spec.k, spec.v)):
+        return None
+    return dt
+
+
 def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dout: Tensor,
              dlse: Optional[Tensor] = None) -> Grads:
     """The native backward (with a learnable relative table's gradient too); the next
@@ -415,7 +429,8 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
     if t is not None:
         try:
             res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, out, lse,
-                                        dlse, table_grad=table_grad)
+                                        dlse, table_grad=table_grad,
+                                        grad_dtype=_grad_dtype(spec))
         except native.FlashNonFinite:
             res = None
         if res is not None:
@@ -430,8 +445,6 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
                 p_sink = torch.exp(spec.sinks.detach().to(torch.float32).view(1, -1, 1)
                                    - lse.to(torch.float32))
                 dsinks = -(p_sink * delta).sum((0, 2))
-            cd = spec.compute_dtype
-            return Grads(dq=dq.to(cd), dk=dk.to(cd), dv=dv.to(cd), dbias=None, dsinks=dsinks,
-                         dparams=dparams)
+            return Grads(dq=dq, dk=dk, dv=dv, dbias=None, dsinks=dsinks, dparams=dparams)
     mod, p = plan.next()
     return mod.backward(spec, p, out, lse, dout, dlse)

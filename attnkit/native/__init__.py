@@ -69,7 +69,7 @@ _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
             _HERE / "flash.c", _HERE / "pool.c")
 _HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h", _HERE / "avx2_as_512.h")
-_ABI = 14  # AK_ABI in decode.c
+_ABI = 15  # AK_ABI in decode.c
 _FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -284,6 +284,8 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["flash_bf16"] = bool(lib.attnkit_flash_has_bf16dot())
         lib.attnkit_team_openmp.argtypes = [i32]
         lib.attnkit_team_openmp.restype = i32
+        lib.attnkit_team_tune.argtypes = [i64, i64]
+        lib.attnkit_team_tune.restype = None
         info["team"] = _choose_team(lib)
         lib.attnkit_flash_forward.argtypes = [p]
         lib.attnkit_flash_forward.restype = i32
@@ -763,7 +765,7 @@ def softcap_backward(ds: Tensor, raw: Tensor, cap: float) -> Optional[Tensor]:
 
 
 _POOL_STATS = ("threads", "calls", "parallel_runs", "busy_runs", "woken", "caller_extra",
-               "last_threads")
+               "last_threads", "team_late", "team_held")
 
 
 #: keys per block of the flash kernel (AK_FN in flash.c): key segment ids and
@@ -798,7 +800,8 @@ class _FlashGrads(ctypes.Structure):
 
     _fields_ = [("dout", _P), ("out", _P), ("dout_dtype", _I32), ("out_dtype", _I32),
                 ("lse", _P), ("dlse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
-                ("drel", _P), ("drel_wstride", _I64)]
+                ("drel", _P), ("drel_wstride", _I64), ("grad_dtype", _I32), ("dq_out", _P),
+                ("dk_out", _P), ("dv_out", _P)]
 
 
 class FlashNonFinite(ArithmeticError):
@@ -976,16 +979,17 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
                    dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
-                   table_grad: bool = False
+                   table_grad: bool = False, grad_dtype: Optional[torch.dtype] = None
                    ) -> Optional[Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Tensor]]:
-    """The gradients of :func:`flash_forward`'s output: ``dq, dk, dv`` (float32, shaped as
+    """The gradients of :func:`flash_forward`'s output: ``dq, dk, dv`` (float32, or ``grad_dtype``
+    (bfloat16, float16) written so by the kernel, rounded once from its float32 sums; shaped as
     q, k, v) for ``dout (N, Hq, Lq, Dv)``, from the forward's ``out`` and ``lse (N, Hq, Lq)``
-    (and ``dlse``, the lse's gradient); the scores' softcap, ALiBi and relative terms as in
-    the forward. Also returns, with ``table_grad``, the gradient of the expanded relative
-    table ``terms.rel`` (same shape; the sums over the distances each table entry was clamped
-    to are the table's gradient), else None; and ``delta = rowsum(dout * out) - dlse``, with
-    which a sink's gradient is ``-sum exp(sink - lse) * delta``. None when the kernel is
-    unavailable; raises :class:`FlashNonFinite` when an input is not finite."""
+    (and ``dlse``, the lse's gradient); the scores' softcap, ALiBi and relative terms as in the
+    forward. Also returns, with ``table_grad``, the gradient of the expanded relative table
+    ``terms.rel`` (same shape; the sums over the distances each table entry was clamped to are
+    the table's gradient), else None; and ``delta = rowsum(dout * out) - dlse``, with which a
+    sink's gradient is ``-sum exp(sink - lse) * delta``. None when the kernel is unavailable;
+    raises :class:`FlashNonFinite` when an input is not finite."""
     if not _flash_ready():
         return None
     if table_grad and terms.rel is None:
@@ -998,14 +1002,19 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
         raise ValueError(f"flash_backward: dout and out must be {(*shape, dv)}, lse and dlse "
                          f"{shape}; got {tuple(dout.shape)}, {tuple(out.shape)}, "
                          f"{tuple(lse.shape)}, {None if dlse is None else tuple(dlse.shape)}")
+    if grad_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"flash_backward: grad_dtype must be None, float32, bfloat16 or "
+                        f"float16; got {grad_dtype}")
+    gd = torch.float32 if grad_dtype is None else grad_dtype
     dq = torch.empty(a.threads, n, hq, lq, d, dtype=torch.float32)
-    dk = torch.empty(n, a.Hkv, lk, d, dtype=torch.float32)
-    dvv = torch.empty(n, a.Hkv, lk, dv, dtype=torch.float32)
+    dk = torch.empty(n, a.Hkv, lk, d, dtype=gd)
+    dvv = torch.empty(n, a.Hkv, lk, dv, dtype=gd)
+    dq_out = dq[0] if gd == torch.float32 else torch.empty(n, hq, lq, d, dtype=gd)
     delta = torch.empty(shape, dtype=torch.float32)
     drel = (torch.zeros(a.threads, *terms.rel.shape, dtype=torch.float32) if table_grad
             else None)
     if n * hq * lq == 0 or lk == 0:
-        return (dq[0].zero_(), dk.zero_(), dvv.zero_(),
+        return (dq_out.zero_(), dk.zero_(), dvv.zero_(),
                 None if drel is None else drel.sum(0), delta.zero_())
 
     def plain(x: Tensor) -> Tensor:
@@ -1018,7 +1027,12 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
     g = _FlashGrads(dout=do_c.data_ptr(), out=out_c.data_ptr(), dout_dtype=_DTYPES[do_c.dtype],
                     out_dtype=_DTYPES[out_c.dtype], lse=lse32.data_ptr(),
                     dlse=None if dlse32 is None else dlse32.data_ptr(), delta=delta.data_ptr(),
-                    dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr())
+                    dq=dq.data_ptr())
+    if gd == torch.float32:
+        g.dk, g.dv = dk.data_ptr(), dvv.data_ptr()
+    else:  # (written in gd by the kernel: no conversion op after it)
+        g.grad_dtype = _DTYPES[gd]
+        g.dq_out, g.dk_out, g.dv_out = dq_out.data_ptr(), dk.data_ptr(), dvv.data_ptr()
     if drel is not None:
         g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
     a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and do_c.dtype == torch.bfloat16
@@ -1029,7 +1043,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
         raise FlashNonFinite("flash_backward: q, k or v holds a NaN or an infinity")
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
-    return dq[0], dk, dvv, (None if drel is None else drel.sum(0)), delta
+    return dq_out, dk, dvv, (None if drel is None else drel.sum(0)), delta
 
 
 _LOG2E = 1.4426950408889634
@@ -1044,13 +1058,26 @@ def pool_stats() -> dict:
     thread; ``woken``, pool threads woken, all calls together; ``caller_extra``, work shares a
     caller ran because no pool thread had taken them yet; ``last_threads``, the threads the
     latest call ran on, the caller included (at most ``torch.get_num_threads()`` then, 1 for
-    a call too small to repay waking a thread). Empty when the kernels are unavailable."""
+    a call too small to repay waking a thread); ``team_late``, flash calls on torch's OpenMP
+    team one of whose threads started late (a busy machine: the calls of the next 200 ms run
+    on the pool, whose caller never waits for a thread that has not started), and
+    ``team_held``, the calls that ran on the pool for that reason. Empty when the kernels are
+    unavailable."""
     lib = _lib()
     if lib is None:
         return {}
     buf = (ctypes.c_int64 * len(_POOL_STATS))()
     lib.attnkit_pool_stats(buf)
     return dict(zip(_POOL_STATS, buf))
+
+
+def _team_tune(late_ns: int = -1, hold_ns: int = -1) -> None:
+    """For tests: a flash call on torch's OpenMP team one of whose threads starts more than
+    ``late_ns`` after the call (< 0: every call) sends the calls of the next ``hold_ns`` to
+    the pool; both -1 restore the defaults (1 ms, 200 ms). Ends any hold in force."""
+    lib = _lib()
+    if lib is not None:
+        lib.attnkit_team_tune(int(late_ns), int(hold_ns))
 
 
 def describe() -> str:

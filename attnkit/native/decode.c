@@ -33,7 +33,7 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 14
+#define AK_ABI 15
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */

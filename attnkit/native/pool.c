@@ -209,13 +209,51 @@ void ak_pool_run(ak_pool_fn fn, void *ctx, int n) {
  * thread holds, and a short call ran on the caller alone. One call uses the team at a time
  * (another caller meanwhile runs alone, as with the pool); a team smaller than n runs the
  * indices left over on its threads in turn, so every index still runs exactly once. */
+/*
+ * A busy machine. The team's end waits for every one of its threads, and a thread that spun
+ * after torch's last operator has used its share of a contended core: the scheduler may keep
+ * it off the core for milliseconds, and the whole call waits (a 1 ms call became 3-5 ms). A
+ * pool thread instead sleeps until woken, and the pool's caller never waits for one that has
+ * not started. So a team thread that starts more than team_late_ns (1 ms) after its call began
+ * marks the machine busy: the calls of the next team_hold_ns (200 ms) run on the pool, then the
+ * team is tried again. On a quiet machine team threads start within microseconds (a thread
+ * woken from sleep in a VM, a few hundred) and nothing changes; 300 us sent a few of a quiet
+ * run's calls to the pool, which is slower there. */
 #if defined(_OPENMP)
 #include <omp.h>
+#include <time.h>
+
+#ifndef AK_TEAM_LATE_NS
+#define AK_TEAM_LATE_NS 1000000 /* a team thread this late to its call: the machine is busy */
+#endif
+#ifndef AK_TEAM_HOLD_NS
+#define AK_TEAM_HOLD_NS 200000000 /* the pool's turn after that */
+#endif
+static int64_t team_late_ns = AK_TEAM_LATE_NS, team_hold_ns = AK_TEAM_HOLD_NS;
+static int64_t team_pool_until, team_late_calls, team_held_calls; /* atomic */
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* For tests and tuning: a team thread later than late_ns (< 0: every call) marks the machine
+ * busy for hold_ns; both < 0 restore the defaults. Ends any hold in force. */
+void attnkit_team_tune(int64_t late_ns, int64_t hold_ns) {
+    const int dflt = late_ns < 0 && hold_ns < 0;
+    __atomic_store_n(&team_late_ns, dflt ? AK_TEAM_LATE_NS : late_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&team_hold_ns, dflt ? AK_TEAM_HOLD_NS : hold_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&team_pool_until, 0, __ATOMIC_RELAXED);
+}
+
 int attnkit_team_openmp(int on) {
     __atomic_store_n(&team_omp, on != 0, __ATOMIC_RELAXED);
     return 1;
 }
 #else
+static int64_t team_late_calls, team_held_calls;
+void attnkit_team_tune(int64_t late_ns, int64_t hold_ns) { (void)late_ns, (void)hold_ns; }
 int attnkit_team_openmp(int on) {
     (void)on;
     return 0; /* built without OpenMP: the pool always */
@@ -225,31 +263,44 @@ int attnkit_team_openmp(int on) {
 void ak_team_run(ak_pool_fn fn, void *ctx, int n) {
 #if defined(_OPENMP)
     if (n > AK_POOL_MAX) n = AK_POOL_MAX;
-    if (n > 1 && __atomic_load_n(&team_omp, __ATOMIC_RELAXED) &&
-        !__atomic_exchange_n(&team_busy, 1, __ATOMIC_ACQUIRE)) {
-        int team = 1;
-        __atomic_add_fetch(&P.calls, 1, __ATOMIC_RELAXED);
+    if (n > 1 && __atomic_load_n(&team_omp, __ATOMIC_RELAXED)) {
+        const int64_t t0 = now_ns();
+        if (t0 < __atomic_load_n(&team_pool_until, __ATOMIC_RELAXED)) {
+            __atomic_add_fetch(&team_held_calls, 1, __ATOMIC_RELAXED);
+        } else if (!__atomic_exchange_n(&team_busy, 1, __ATOMIC_ACQUIRE)) {
+            int team = 1, late = 0;
+            const int64_t late_ns = __atomic_load_n(&team_late_ns, __ATOMIC_RELAXED);
+            __atomic_add_fetch(&P.calls, 1, __ATOMIC_RELAXED);
 #pragma omp parallel num_threads(n)
-        {
-            const int nt = omp_get_num_threads();
-            if (omp_get_thread_num() == 0) team = nt;
-            for (int w = omp_get_thread_num(); w < n; w += nt) fn(ctx, w, n);
+            {
+                const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+                if (tid == 0) team = nt;
+                else if (now_ns() - t0 > late_ns) __atomic_store_n(&late, 1, __ATOMIC_RELAXED);
+                for (int w = tid; w < n; w += nt) fn(ctx, w, n);
+            }
+            if (late) {
+                __atomic_add_fetch(&team_late_calls, 1, __ATOMIC_RELAXED);
+                __atomic_store_n(&team_pool_until,
+                                 now_ns() + __atomic_load_n(&team_hold_ns, __ATOMIC_RELAXED),
+                                 __ATOMIC_RELAXED);
+            }
+            __atomic_add_fetch(&P.parallel_runs, team > 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&P.last_threads, team, __ATOMIC_RELAXED);
+            __atomic_store_n(&team_busy, 0, __ATOMIC_RELEASE);
+            return;
         }
-        __atomic_add_fetch(&P.parallel_runs, team > 1, __ATOMIC_RELAXED);
-        __atomic_store_n(&P.last_threads, team, __ATOMIC_RELAXED);
-        __atomic_store_n(&team_busy, 0, __ATOMIC_RELEASE);
-        return;
     }
 #endif
     ak_pool_run(fn, ctx, n);
 }
 
-/* The pool's counters, for tests and tuning (out[0 .. AK_POOL_NSTATS)): pool threads started
+/* The pool's counters, for tests and tuning (out[0 .. 9)): pool threads started
  * in this process, kernel calls (every ak_pool_run and ak_team_run), calls that used the pool
  * or the team, calls that ran alone because another call held it, pool threads woken (all
  * calls together), indices the caller ran beyond its own index 0 (no pool thread had taken
- * them yet), and the threads the latest call ran on, the caller included (1 for a call on the
- * caller alone). */
+ * them yet), the threads the latest call ran on, the caller included (1 for a call on the
+ * caller alone), team calls that found a thread late (the machine busy) and calls that ran on
+ * the pool instead of the team because of it. */
 void attnkit_pool_stats(int64_t *out) {
     pthread_mutex_lock(&P.mu);
     out[0] = P.nthreads;
@@ -260,6 +311,8 @@ void attnkit_pool_stats(int64_t *out) {
     out[4] = __atomic_load_n(&P.woken, __ATOMIC_RELAXED);
     out[5] = __atomic_load_n(&P.caller_extra, __ATOMIC_RELAXED);
     out[6] = __atomic_load_n(&P.last_threads, __ATOMIC_RELAXED);
+    out[7] = __atomic_load_n(&team_late_calls, __ATOMIC_RELAXED);
+    out[8] = __atomic_load_n(&team_held_calls, __ATOMIC_RELAXED);
 }
 
 /* Self-check of the pool's contract, for tests: `calls` calls of ak_pool_run on n workers,
