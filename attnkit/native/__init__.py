@@ -800,8 +800,7 @@ class _FlashGrads(ctypes.Structure):
 
     _fields_ = [("dout", _P), ("out", _P), ("dout_dtype", _I32), ("out_dtype", _I32),
                 ("lse", _P), ("dlse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
-                ("drel", _P), ("drel_wstride", _I64), ("grad_dtype", _I32), ("dq_out", _P),
-                ("dk_out", _P), ("dv_out", _P)]
+                ("drel", _P), ("drel_wstride", _I64), ("grad_dtype", _I32), ("dq_out", _P)]
 
 
 class FlashNonFinite(ArithmeticError):
@@ -1027,12 +1026,9 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
     g = _FlashGrads(dout=do_c.data_ptr(), out=out_c.data_ptr(), dout_dtype=_DTYPES[do_c.dtype],
                     out_dtype=_DTYPES[out_c.dtype], lse=lse32.data_ptr(),
                     dlse=None if dlse32 is None else dlse32.data_ptr(), delta=delta.data_ptr(),
-                    dq=dq.data_ptr())
-    if gd == torch.float32:
-        g.dk, g.dv = dk.data_ptr(), dvv.data_ptr()
-    else:  # (written in gd by the kernel: no conversion op after it)
-        g.grad_dtype = _DTYPES[gd]
-        g.dq_out, g.dk_out, g.dv_out = dq_out.data_ptr(), dk.data_ptr(), dvv.data_ptr()
+                    dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr(),
+                    grad_dtype=_DTYPES[gd],  # (written so by the kernel: no conversion op)
+                    dq_out=None if gd == torch.float32 else dq_out.data_ptr())
     if drel is not None:
         g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
     a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and do_c.dtype == torch.bfloat16

@@ -960,17 +960,17 @@ typedef struct {
     const float *dlse; /* (N, Hq, Lq) the lse's gradient, or NULL */
     float *delta; /* (N, Hq, Lq), written: rowsum(dO * O) - dlse */
     float *dq;  /* workers x (N, Hq, Lq, d), zeroed here; on return dQ is the first */
-    float *dk;  /* (N, Hkv, Lk, d), float32 gradients (grad_dtype 0; else unused) */
-    float *dv;  /* (N, Hkv, Lk, dv) */
+    void *dk;   /* (N, Hkv, Lk, d), of grad_dtype */
+    void *dv;   /* (N, Hkv, Lk, dv), of grad_dtype */
     /* the relative table's gradient, expanded as the table (rel): workers x drel_wstride
      * floats, zeroed by the caller; NULL when the table needs none */
     float *drel;
     int64_t drel_wstride;
-    /* grad_dtype 1 (bfloat16) or 2 (float16): dQ, dK and dV written in that dtype into
-     * dq_out (N, Hq, Lq, d), dk_out and dv_out (shaped as dk and dv), rounded to nearest
-     * even once, from the float32 sums (no conversion pass of the caller's after the call) */
+    /* the gradients' dtype: 0 float32, 1 bfloat16 or 2 float16 (dK and dV rounded to nearest
+     * even once from the float32 sums, and dQ into dq_out (N, Hq, Lq, d): no conversion pass
+     * of the caller's after the call) */
     int32_t grad_dtype;
-    void *dq_out, *dk_out, *dv_out;
+    void *dq_out; /* grad_dtype 1 or 2; unused for float32 (dQ stays in dq's first buffer) */
 } ak_flash_grads;
 
 typedef struct {
@@ -1361,26 +1361,15 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
         const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
         const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
         const float *dks = dkb + b * AK_FN * AK_FD, *dvs = dvb + b * AK_FN * AK_FD;
-        const int64_t row0 = (n * a->Hkv + hk) * Lk + j0;
-        if (gr->grad_dtype != 0) { /* rounded once, into the caller's dtype */
-            const int gt = gr->grad_dtype;
-            for (int64_t jj = 0; jj < nk; jj++) {
-                char *dk = (char *)gr->dk_out + (row0 + jj) * d * 2;
-                char *dvo = (char *)gr->dv_out + (row0 + jj) * dv * 2;
-                for (int64_t c = 0; c < d; c += 16)
-                    ak_store_row16(dk, gt, c, _mm512_mul_ps(_mm512_loadu_ps(dks + jj * d + c), kf));
-                for (int64_t c = 0; c < dv; c += 16)
-                    ak_store_row16(dvo, gt, c, _mm512_loadu_ps(dvs + jj * dv + c));
-            }
-            continue;
-        }
-        float *dk = gr->dk + row0 * d;
-        float *dvo = gr->dv + row0 * dv;
+        const int gt = gr->grad_dtype;
+        const int64_t ge = gt == 0 ? 4 : 2, row0 = (n * a->Hkv + hk) * Lk + j0;
         for (int64_t jj = 0; jj < nk; jj++) {
+            char *dk = (char *)gr->dk + (row0 + jj) * d * ge;
+            char *dvo = (char *)gr->dv + (row0 + jj) * dv * ge;
             for (int64_t c = 0; c < d; c += 16)
-                _mm512_storeu_ps(dk + jj * d + c,
-                                 _mm512_mul_ps(_mm512_loadu_ps(dks + jj * d + c), kf));
-            memcpy(dvo + jj * dv, dvs + jj * dv, (size_t)dv * 4);
+                ak_store_row16(dk, gt, c, _mm512_mul_ps(_mm512_loadu_ps(dks + jj * d + c), kf));
+            for (int64_t c = 0; c < dv; c += 16)
+                ak_store_row16(dvo, gt, c, _mm512_loadu_ps(dvs + jj * dv + c));
         }
     }
 }
@@ -1447,8 +1436,8 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
     }
 }
 
-/* The gradients: dQ in the first of dq's `a->threads` buffers, dK and dV in dk and dv (with
- * grad_dtype: all three in dq_out, dk_out and dv_out). Returns 0, 1 when an input was not
+/* The gradients: dK and dV in dk and dv, dQ in the first of dq's `a->threads` buffers (in
+ * dq_out with a grad_dtype other than float32). Returns 0, 1 when an input was not
  * finite (the caller runs another path), or < 0 for arguments it does not run. */
 int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
@@ -1458,10 +1447,8 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (g->drel != NULL && a->rel == NULL) return -6;
     if (a->bad == NULL || g->dout_dtype < 0 || g->dout_dtype > 2 || g->out_dtype < 0 ||
-        g->out_dtype > 2 || g->grad_dtype < 0 || g->grad_dtype > 2 || g->dq == NULL)
-        return -7;
-    if (g->grad_dtype == 0 ? g->dk == NULL || g->dv == NULL
-                           : g->dq_out == NULL || g->dk_out == NULL || g->dv_out == NULL)
+        g->out_dtype > 2 || g->grad_dtype < 0 || g->grad_dtype > 2 || g->dq == NULL ||
+        g->dk == NULL || g->dv == NULL || (g->grad_dtype != 0 && g->dq_out == NULL))
         return -7;
 #ifndef AK_FLASH_BF16
     if (a->bf16dot) return -5;
