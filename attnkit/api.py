@@ -222,33 +222,32 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
     return spec if backends.choose(spec) is backends.REGISTRY["decode"] else None
 
 
-# ---- decoding steps: the same call again with one more cached key --------------------------
+# ---- calls that recur: a decoding step, the same shapes again ------------------------------
 
 #: Options a replayed call may carry (tensors only for the padding lengths)
 _REPLAY_OPTIONS = frozenset({"scale", "causal", "diagonal", "window", "softcap"})
 _REPLAY_TENSORS = frozenset({"seqlens_kv", "starts_kv"})
-#: The decode executor's launchers (or None: not replayable) by :func:`_replay_key`
+#: The decode and flash executors' launchers (or None: not replayable) by :func:`_replay_key`
 _REPLAYS: dict = {}
 
 
 def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional[tuple]:
-    """What a call that the decode executor can replay has in common with the next decoding
-    step's call (everything but the number of cached keys and the cache's strides), or None
-    when this call cannot be replayed: a tensor subclass, not CPU, not 4-D, more query rows
-    than the decode executor takes, an option beyond
-    :data:`_REPLAY_OPTIONS`, gradients wanted, autocast, a torch.func transform or
-    forward-mode AD, or torch.compile tracing. (An unhashable option value makes the key
-    unhashable: the caller's lookup then says no.)"""
+    """What a call that an executor can replay has in common with the next call of its kind
+    (everything but the number of cached keys and the cache's strides: the decode launcher
+    takes any, the flash launcher checks them itself), or None when this call cannot be
+    replayed: a tensor subclass, not CPU, not 4-D, an option beyond
+    :data:`_REPLAY_OPTIONS`, autocast, a torch.func transform or forward-mode AD, or
+    torch.compile tracing. Its last entry says which of q, k, v require grad (False: no
+    gradient wanted; only the flash launcher replays the others). (An unhashable option
+    value makes the key unhashable: the caller's lookup then says no.)"""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None
     if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return None  # (the decode executor replays CPU calls only)
-    if q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows:
-        return None  # (more query rows than decoding takes: no launcher, so no key)
+        return None  # (the executors replay CPU calls only)
     if is_compiling():
         return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
+    needs = (q.requires_grad, k.requires_grad, v.requires_grad)
+    grad = needs if torch.is_grad_enabled() and any(needs) else False
     items = []
     for name, value in options.items():
         if name in _REPLAY_TENSORS and type(value) is Tensor:
@@ -261,17 +260,23 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional
         return None
     ks, vs = k.shape, v.shape
     return (q.shape, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype, vs[0],
-            vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(), tuple(items))
+            vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(), tuple(items),
+            grad)
 
 
 def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str,
               given: Tuple[Tensor, Tensor, Tensor]) -> None:
-    """Store the decode executor's launcher for ``key`` (None where it has none)."""
+    """Store the launcher of the decode or flash executor for ``key`` (None where it has
+    none: another executor, or a call it does not replay)."""
     launch = None
-    if (backends.select(spec, backend) is backends.REGISTRY["decode"]
-            and not spec.squeeze_heads and spec.batch_shape == (spec.n,)
+    executor = backends.select(spec, backend)
+    if (not spec.squeeze_heads and spec.batch_shape == (spec.n,)
             and all(s.shape == x.shape for s, x in zip((spec.q, spec.k, spec.v), given))):
-        launch = backends.REGISTRY["decode"].replay(spec, band(opts.causal, opts.window))
+        if executor is backends.REGISTRY["decode"] and not key[-1]:  # (no gradient)
+            launch = executor.replay(spec, band(opts.causal, opts.window))
+        elif executor is backends.REGISTRY["flash"] and all(
+                s.stride() == x.stride() for s, x in zip((spec.q, spec.k, spec.v), given)):
+            launch = executor.replay(spec)
     if len(_REPLAYS) > 256:  # a few forms recur in decoding; do not grow without bound
         _REPLAYS.clear()
     _REPLAYS[key] = launch

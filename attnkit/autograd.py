@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, Optional, Tuple
@@ -37,6 +38,7 @@ class _AttentionFunction(torch.autograd.Function):
         ctx.spec, ctx.plan, ctx.executor = spec, plan, executor
         ctx.save_for_backward(q, k, v, bias, sinks, out, lse, *params)
         ctx.mark_non_differentiable(mx)
+        ctx.set_materialize_grads(False)  # (an unused lse gets no zeros to test)
 
     @staticmethod
     def vmap(info: Any, in_dims: Tuple[Optional[int], ...], spec: AttentionSpec, plan: Any,
@@ -89,6 +91,11 @@ class _AttentionFunction(torch.autograd.Function):
                 g.dk.to(k.dtype) if need[4] else None,
                 g.dv.to(v.dtype) if need[5] else None,
                 dbias, dsinks, *dparams)
+
+
+# torch's apply binds its arguments to forward's signature on every call (for
+# setup_context); the signature, computed once, spares it the inspection each time
+_AttentionFunction.forward.__signature__ = inspect.signature(_AttentionFunction.forward)
 
 
 def _no_autocast(spec: AttentionSpec) -> Any:

@@ -32,7 +32,8 @@ rows the NaN (and +inf log-sum-exp) the float64 reference gives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -122,6 +123,11 @@ class FlashPlan:
 
     spec: AttentionSpec
     _next: Optional[Tuple[ModuleType, Any]] = field(default=None, repr=False)
+    #: the forward's prepared kernel call (its terms and checked argument block), which the
+    #: backward reuses, and what it was made from (:func:`_source`): a plan that runs more
+    #: than once (torch.func.vmap's slices) reuses it only for the same tensors
+    call: Optional[native.FlashForward] = field(default=None, repr=False)
+    source: Tuple[Any, ...] = field(default=(), repr=False)
 
     def next(self) -> Tuple[ModuleType, Any]:
         if self._next is None:
@@ -381,15 +387,33 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
     return t
 
 
+def _source(spec: AttentionSpec) -> Tuple[Any, ...]:
+    """The tensors a prepared call's terms and pointers come from, besides the spec's other
+    fields (which a plan shares): inputs, sinks and score_mod tensors, by storage."""
+    return tuple(None if x is None else (x.data_ptr(), x.shape, x.stride())
+                 for x in (spec.q, spec.k, spec.v, spec.sinks, *spec.score_mod_params))
+
+
+def _prepared(spec: AttentionSpec, plan: FlashPlan) -> Optional[native.FlashForward]:
+    """The plan's prepared call where it was made from this spec's tensors, else None."""
+    call = plan.call
+    return call if call is not None and plan.source == _source(spec) else None
+
+
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
-    inputs' dtype."""
-    with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
-        t = terms(spec)
+    inputs' dtype. The kernel call it prepares stays on the plan for the backward."""
+    call = _prepared(spec, plan)
+    if call is None:
+        with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
+            t = terms(spec)
+        if t is not None:
+            call = native.flash_prepare(spec.q, spec.k, spec.v, spec.scale, t)
+            plan.call, plan.source = call, _source(spec)
     res = None
-    if t is not None:
+    if call is not None:
         try:
-            res = native.flash_forward(spec.q, spec.k, spec.v, spec.scale, t)
+            res = call.run(*native._unit_stride(spec.q, spec.k, spec.v))
         except native.FlashNonFinite:
             res = None
     if res is None:  # (non-finite inputs; or a kernel that went away after selection)
@@ -398,6 +422,55 @@ def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     out, lse = res
     mx = torch.full((), float("nan"), dtype=lse.dtype).expand(lse.shape)
     return ForwardResult(out=out, lse=lse, max_scores=mx)
+
+
+#: the features a replayed call may have: its terms follow from the shapes alone
+_REPLAYED = frozenset({"window", "softcap"})
+
+Launch = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]], Optional[Tensor]]
+
+
+def replay(spec: AttentionSpec) -> Optional[Launch]:
+    """A launcher for the calls that follow this one with the same form: q, k and v of the
+    same shapes, strides and dtypes (the caller's key holds the options, the dtypes and
+    whether gradients are wanted). ``launch(q, k, v, seqlens_kv, starts_kv)`` runs the kernel
+    as :func:`forward` would, with the terms and the kernel's argument block made here once,
+    and returns ``out`` in q's dtype: straight from the kernel, or where an input requires
+    grad (with grad mode on) through the autograd node with a plan that holds that call (its
+    backward reuses it too). It returns None (take the full path) for other shapes or
+    strides, padding tensors, a kernel that was unloaded, or a non-finite input (the full
+    path then runs the next executor). None here when the call is not of that form: terms
+    beyond causal, windows and softcap, an empty call, or inputs without unit stride along
+    the head dim. The launcher holds none of this call's tensors."""
+    if (spec.features() - _REPLAYED or spec.is_empty or not native.build_info().get("flash")
+            or any(x.stride(-1) != 1 for x in (spec.q, spec.k, spec.v))):
+        return None
+    with workers.one_thread(_terms_elements(spec)):
+        t = terms(spec)
+    call = None if t is None else native.flash_prepare(spec.q, spec.k, spec.v, spec.scale, t)
+    if call is None:
+        return None
+    template = replace(spec, q=None, k=None, v=None)  # (this call's tensors are not kept)
+    this = sys.modules[__name__]
+
+    def launch(q: Tensor, k: Tensor, v: Tensor, seqlens_kv: Optional[Tensor],
+               starts_kv: Optional[Tensor]) -> Optional[Tensor]:
+        if seqlens_kv is not None or starts_kv is not None or not call.fits(q, k, v):
+            return None
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                        or v.requires_grad):
+            from ..autograd import run
+
+            s = replace(template, q=q, k=k, v=v)
+            plan = FlashPlan(s, call=call, source=_source(s))
+            out, _, _ = run(s, this, plan)
+            return out
+        try:
+            return call.run(q, k, v)[0]
+        except native.FlashNonFinite:
+            return None
+
+    return launch
 
 
 def _grad_dtype(spec: AttentionSpec) -> Optional[torch.dtype]:
@@ -422,15 +495,19 @@ def backward(spec: AttentionSpec, plan: FlashPlan, out: Tensor, lse: Tensor, dou
     t = None
     table = _table_of(spec)
     table_grad = bool(spec.score_mod_params)
+    call = _prepared(spec, plan)
     if not table_grad or (table is not None and len(spec.score_mod_params) == 1
                           and spec.score_mod_params[0] is table):
-        with workers.one_thread(_terms_elements(spec)):
-            t = terms(spec)
+        if call is not None:
+            t = call.terms
+        else:
+            with workers.one_thread(_terms_elements(spec)):
+                t = terms(spec)
     if t is not None:
         try:
             res = native.flash_backward(spec.q, spec.k, spec.v, spec.scale, t, dout, out, lse,
                                         dlse, table_grad=table_grad,
-                                        grad_dtype=_grad_dtype(spec))
+                                        grad_dtype=_grad_dtype(spec), prepared=call)
         except native.FlashNonFinite:
             res = None
         if res is not None:

@@ -62,7 +62,7 @@ from torch import Tensor
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
-           "FlashNonFinite", "FLASH_BLOCK", "pool_stats",
+           "FlashForward", "flash_prepare", "FlashNonFinite", "FLASH_BLOCK", "pool_stats",
            "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
@@ -851,7 +851,9 @@ class FlashTerms:
 def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, backward: bool
                 ) -> Tuple[_FlashArgs, List[Any]]:
     """The kernel's argument block for these inputs and terms (validated), and the tensors it
-    points into (kept alive by the caller until the call returns)."""
+    points into: ``q, k, v`` (unit stride along the head dim; copies where they were not)
+    first, then the terms' (kept alive by the caller until the call returns). The workspace
+    is the caller's (:func:`_workspace`)."""
     n, hq, lq, d = q.shape
     hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
     dtype = _DTYPES.get(q.dtype)
@@ -876,14 +878,11 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
     if lo32.shape[0] != hi32.shape[0]:  # (one batch stride for both)
         lo32, hi32 = (x.expand(n, lq).contiguous() for x in (lo32, hi32))
         lo_bs = lq
-    ws = torch.empty(threads * _lib().attnkit_flash_workspace(int(backward)),
-                     dtype=torch.float32)
-    bad = torch.zeros(1, dtype=torch.int32)
-    keep: List[Any] = [q, k, v, lo32, hi32, ws, bad]
+    keep: List[Any] = [q, k, v, lo32, hi32]
     a = _FlashArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), dtype=dtype, N=n, Hq=hq,
                    Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
                    hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(t.softcap),
-                   ws=ws.data_ptr(), threads=threads, bad=bad.data_ptr())
+                   threads=threads)
     for name, x in (("qs", q), ("ks", k), ("vs", v)):
         getattr(a, name)[:] = [x.stride(0), x.stride(1), x.stride(2)]
     if t.segments is not None:
@@ -937,6 +936,81 @@ def _flash_ready() -> bool:
     return _lib() is not None and bool(_state["info"].get("flash"))
 
 
+def _workspace(a: _FlashArgs, backward: bool) -> List[Tensor]:
+    """The per-thread workspace and the non-finite flag of one kernel call, pointed to by
+    ``a`` (fresh for every call: concurrent calls of one form must not share them)."""
+    ws = torch.empty(a.threads * _lib().attnkit_flash_workspace(int(backward)),
+                     dtype=torch.float32)
+    bad = torch.zeros(1, dtype=torch.int32)
+    a.ws, a.bad = ws.data_ptr(), bad.data_ptr()
+    return [ws, bad]
+
+
+class FlashForward:
+    """:func:`flash_forward` prepared for one form of call: the shapes, strides and dtypes of
+    ``q, k, v`` and the terms, checked and packed once. :meth:`run` takes tensors of that form
+    (:meth:`fits` says whether they are) and only allocates and launches, which is what a
+    call that recurs (the same shapes, step after step) needs. It holds the terms' tensors,
+    never the inputs."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms):
+        a, keep = _flash_args(q, k, v, scale, terms, backward=False)
+        self.lib = _lib()
+        self.terms = terms
+        self.form = tuple((x.shape, x.stride()) for x in keep[:3])
+        self.dtype = q.dtype
+        self._keep = keep[3:]
+        self._args = a  # a template: every call fills in its own pointers on a copy
+        nkb = -(-a.Lk // FLASH_BLOCK)
+        self._kt = a.N * a.Hkv * nkb * a.d * FLASH_BLOCK
+        self._vf = 0 if q.dtype == torch.float32 else a.N * a.Hkv * a.Lk * a.dv
+        self._bf16 = (q.dtype == torch.bfloat16 and a.d % 32 == 0
+                      and bool(_state["info"].get("flash_bf16")))
+
+    def fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether ``q, k, v`` are CPU tensors of this call's dtype, shapes and strides and
+        the kernel library is still the one it was prepared for."""
+        dt = self.dtype
+        return (_state.get("lib") is self.lib and q.dtype == dt and k.dtype == dt
+                and v.dtype == dt and q.is_cpu and k.is_cpu and v.is_cpu
+                and (q.shape, q.stride()) == self.form[0]
+                and (k.shape, k.stride()) == self.form[1]
+                and (v.shape, v.stride()) == self.form[2])
+
+    def backward_args(self, q: Tensor, k: Tensor, v: Tensor) -> _FlashArgs:
+        """The argument block of :func:`flash_backward` for tensors that :meth:`fits` (the
+        backward reads no sinks: their gradient is the caller's)."""
+        a = _FlashArgs.from_buffer_copy(self._args)
+        a.q, a.k, a.v, a.sinks = q.data_ptr(), k.data_ptr(), v.data_ptr(), None
+        return a
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(out, lse)`` for tensors that :meth:`fits`; raises :class:`FlashNonFinite` when
+        an input is not finite."""
+        a = _FlashArgs.from_buffer_copy(self._args)
+        n, hq, lq, lk, dv = a.N, a.Hq, a.Lq, a.Lk, a.dv
+        out = torch.empty(n, hq, lq, dv, dtype=self.dtype)
+        lse = torch.empty(n, hq, lq, dtype=torch.float32)
+        if n * hq * lq == 0:
+            return out, lse
+        if lk == 0:
+            return out.zero_(), lse.fill_(float("-inf"))
+        keep = _workspace(a, backward=False)
+        kt = torch.empty(self._kt, dtype=torch.float32)
+        vf = torch.empty(self._vf, dtype=torch.float32) if self._vf else None
+        a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        a.kt, a.vf = kt.data_ptr(), (None if vf is None else vf.data_ptr())
+        a.bf16dot = int(FLASH_BF16_DOT and self._bf16)
+        a.out, a.lse, a.out_dtype = out.data_ptr(), lse.data_ptr(), _DTYPES[self.dtype]
+        rc = self.lib.attnkit_flash_forward(ctypes.byref(a))
+        del keep, kt, vf
+        if rc == 1:
+            raise FlashNonFinite("flash_forward: q, k or v holds a NaN or an infinity")
+        if rc != 0:
+            raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
+        return out, lse
+
+
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms
                   ) -> Optional[Tuple[Tensor, Tensor]]:
     """FlashAttention forward in float32 arithmetic with ``terms`` (:class:`FlashTerms`)
@@ -950,35 +1024,29 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
     gets out 0 and lse -inf. Raises :class:`FlashNonFinite` when an input is not finite."""
     if not _flash_ready():
         return None
-    a, keep = _flash_args(q, k, v, scale, terms, backward=False)
-    n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
-    out = torch.empty(n, hq, lq, dv, dtype=q.dtype)
-    a.out_dtype = _DTYPES[q.dtype]
-    lse = torch.empty(n, hq, lq, dtype=torch.float32)
-    if n * hq * lq == 0:
-        return out, lse
-    if lk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    nkb = -(-lk // FLASH_BLOCK)
-    kt = torch.empty(n * a.Hkv * nkb * d * FLASH_BLOCK, dtype=torch.float32)
-    vf = None if v.dtype == torch.float32 else torch.empty(n * a.Hkv * lk * dv,
-                                                           dtype=torch.float32)
-    a.kt, a.vf = kt.data_ptr(), (None if vf is None else vf.data_ptr())
-    a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and d % 32 == 0
-                    and bool(_state["info"].get("flash_bf16")))
-    a.out, a.lse = out.data_ptr(), lse.data_ptr()
-    rc = _lib().attnkit_flash_forward(ctypes.byref(a))
-    del keep, kt, vf
-    if rc == 1:
-        raise FlashNonFinite("flash_forward: q, k or v holds a NaN or an infinity")
-    if rc != 0:
-        raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
-    return out, lse
+    q, k, v = _unit_stride(q, k, v)
+    return FlashForward(q, k, v, scale, terms).run(q, k, v)
+
+
+def _unit_stride(*xs: Tensor) -> Tuple[Tensor, ...]:
+    """4-D tensors with unit stride along the head dim (copies where it is not)."""
+    return tuple(x if x.dim() != 4 or x.stride(-1) == 1 else x.contiguous() for x in xs)
+
+
+def flash_prepare(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms
+                  ) -> Optional[FlashForward]:
+    """:func:`flash_forward`'s call for the form of ``q, k, v`` (checked as it checks them),
+    to run on tensors of that form (their unit-stride versions: ``x.contiguous()`` where the
+    head dim's stride is not 1), or None when the kernel is unavailable."""
+    if not _flash_ready():
+        return None
+    return FlashForward(*_unit_stride(q, k, v), scale, terms)
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
                    dout: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor] = None,
-                   table_grad: bool = False, grad_dtype: Optional[torch.dtype] = None
+                   table_grad: bool = False, grad_dtype: Optional[torch.dtype] = None,
+                   prepared: Optional[FlashForward] = None
                    ) -> Optional[Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Tensor]]:
     """The gradients of :func:`flash_forward`'s output: ``dq, dk, dv`` (float32, or ``grad_dtype``
     (bfloat16, float16) written so by the kernel, rounded once from its float32 sums; shaped as
@@ -987,13 +1055,19 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
     forward. Also returns, with ``table_grad``, the gradient of the expanded relative table
     ``terms.rel`` (same shape; the sums over the distances each table entry was clamped to are
     the table's gradient), else None; and ``delta = rowsum(dout * out) - dlse``, with which a
-    sink's gradient is ``-sum exp(sink - lse) * delta``. None when the kernel is unavailable;
-    raises :class:`FlashNonFinite` when an input is not finite."""
+    sink's gradient is ``-sum exp(sink - lse) * delta``. ``prepared``: the forward's call
+    (:func:`flash_prepare`) for these tensors and ``terms``, whose checked argument block it
+    reuses where q, k, v still fit it. None when the kernel is unavailable; raises
+    :class:`FlashNonFinite` when an input is not finite."""
     if not _flash_ready():
         return None
     if table_grad and terms.rel is None:
         raise ValueError("flash_backward: table_grad needs terms.rel")
-    a, keep = _flash_args(q, k, v, scale, terms, backward=True)
+    if prepared is not None and prepared.terms is terms and prepared.fits(q, k, v):
+        a, keep = prepared.backward_args(q, k, v), []
+    else:
+        a, keep = _flash_args(q, k, v, scale, terms, backward=True)
+    keep += _workspace(a, backward=True)
     n, hq, lq, lk, d, dv = a.N, a.Hq, a.Lq, a.Lk, a.d, a.dv
     shape = (n, hq, lq)
     if (tuple(dout.shape) != (*shape, dv) or tuple(out.shape) != (*shape, dv)
