@@ -26,6 +26,10 @@ A CPU with AVX2, FMA and F16C but no AVX-512 runs the same kernel on 256-bit reg
 (``native.build_info()["flash_bits"] == 256``); there :func:`auto_defers` leaves dense and
 plain causal float32 and float16 calls to the fused executor.
 
+A call of the same form as one before it (shapes, strides, dtypes, causal / window /
+softcap) is replayed from :func:`replay`'s launcher, which holds the kernel call prepared once
+(:class:`attnkit.native.FlashForward`); every backward reuses its forward's prepared call.
+
 Inputs with a NaN or an infinity run the next executor's forward as well, which gives such
 rows the NaN (and +inf log-sum-exp) the float64 reference gives.
 """
