@@ -217,3 +217,17 @@ def test_a_prepared_call_fits_only_tensors_of_its_form():
                                        return_lse=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-5)
+
+
+def test_a_plan_run_per_vmap_slice_prepares_each_slices_own_call():
+    """torch.func.vmap runs one plan per slice: a slice with other sinks (the same q, k, v)
+    must not reuse the previous slice's prepared call."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (_r(g, 1, 2, 64, 32) for _ in range(3))
+    sinks = _r(g, 3, 2) * 3
+    f = torch.func.vmap(lambda s: attnkit.attention(q, k, v, causal=True, sinks=s))
+    out = f(sinks)
+    for i in range(3):
+        ref = attention_reference(q.double(), k.double(), v.double(), causal=True,
+                                  sinks=sinks[i].double())
+        torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=2e-5)

@@ -408,16 +408,17 @@ def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
     inputs' dtype. The kernel call it prepares stays on the plan for the backward."""
     call = _prepared(spec, plan)
+    q, k, v = native._unit_stride(spec.q, spec.k, spec.v)  # (one copy where one is needed)
     if call is None:
         with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
             t = terms(spec)
         if t is not None:
-            call = native.flash_prepare(spec.q, spec.k, spec.v, spec.scale, t)
+            call = native.flash_prepare(q, k, v, spec.scale, t)
             plan.call, plan.source = call, _source(spec)
     res = None
     if call is not None:
         try:
-            res = call.run(*native._unit_stride(spec.q, spec.k, spec.v))
+            res = call.run(q, k, v)
         except native.FlashNonFinite:
             res = None
     if res is None:  # (non-finite inputs; or a kernel that went away after selection)
