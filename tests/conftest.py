@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from attnkit import api
 from attnkit import plan as plan_module
 from attnkit.backends import fused
 from attnkit.reference import attention_reference
@@ -140,3 +141,31 @@ def kernel_pages(monkeypatch):
 
     monkeypatch.setattr(native.DecodeCall, "run", run)
     return seen
+
+
+@pytest.fixture
+def specs_built(monkeypatch):
+    """How many calls built a spec (the full path); the replay cache starts empty."""
+    monkeypatch.setattr(api, "_REPLAYS", {})
+    calls = []
+    real = api.build_spec
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "build_spec", counting)
+    return calls
+
+
+def check_oracle(out, q, k, v, kw, dtype):
+    """``out`` against the float64 reference of ``attention(q, k, v, **kw)``: float32 to
+    2e-6 / 2e-5, lower precision by FlashAttention's rule."""
+    ref = attention_reference(q.double(), k.double(), v.double(), **kw)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    else:
+        plain = attention_reference(q.double().to(dtype).double(), k.double(), v.double(),
+                                    **kw).to(dtype)
+        ok, err, bound = fa_tolerance_ok(out, ref, plain)
+        assert ok, (err, bound)

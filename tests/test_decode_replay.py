@@ -9,28 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fa_tolerance_ok, rand
+from conftest import check_oracle, rand
 
 import attnkit
 from attnkit import api, native
-from attnkit.reference import attention_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernel unavailable")
-
-
-@pytest.fixture
-def specs_built(monkeypatch):
-    """How many calls built a spec (the full path); the replay cache starts empty."""
-    monkeypatch.setattr(api, "_REPLAYS", {})
-    calls = []
-    real = api.build_spec
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "build_spec", counting)
-    return calls
 
 
 def _cache(dtype, lk, gen, b=2, hkv=2, d=64, transposed=False):
@@ -40,17 +24,6 @@ def _cache(dtype, lk, gen, b=2, hkv=2, d=64, transposed=False):
         v = rand(b, lk, hkv, d, gen=gen, dtype=dtype).transpose(1, 2)
         return k, v
     return rand(b, hkv, lk, d, gen=gen, dtype=dtype), rand(b, hkv, lk, d, gen=gen, dtype=dtype)
-
-
-def _check(out, q, k, v, kw, dtype):
-    ref = attention_reference(q.double(), k.double(), v.double(), **kw)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
-    else:
-        plain = attention_reference(q.double().to(dtype).double(), k.double(), v.double(),
-                                    **kw).to(dtype)
-        ok, err, bound = fa_tolerance_ok(out, ref, plain)
-        assert ok, (err, bound)
 
 
 STEPS = [
@@ -73,7 +46,7 @@ def test_a_decoding_loop_is_replayed_and_every_step_matches_the_oracle(kw, dtype
             k, v = _cache(dtype, lk, g, transposed=step % 2 == 1)  # strides change too
             out = attnkit.attention(q, k, v, **kw)
             assert out.dtype == dtype and out.shape == (2, 8, 1, 64) and out.is_contiguous()
-            _check(out, q, k, v, kw, dtype)
+            check_oracle(out, q, k, v, kw, dtype)
     assert len(specs_built) == 1  # the first step only
 
 
@@ -86,7 +59,7 @@ def test_padded_steps_are_replayed_with_their_lengths(pad, specs_built):
             k, v = _cache(torch.float32, lk, g)
             lengths = torch.tensor([lk, lk - 3]) if pad == "seqlens_kv" else torch.tensor([0, 3])
             kw = {"causal": True, "diagonal": "bottom_right", pad: lengths}
-            _check(attnkit.attention(q, k, v, **kw), q, k, v, kw, torch.float32)
+            check_oracle(attnkit.attention(q, k, v, **kw), q, k, v, kw, torch.float32)
     assert len(specs_built) == 1
 
 

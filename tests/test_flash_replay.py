@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fa_tolerance_ok, rand
+from conftest import check_oracle, rand
 
 import attnkit
 from attnkit import api, native
@@ -17,21 +17,6 @@ from attnkit.reference import attention_reference
 
 pytestmark = pytest.mark.skipif(not native.build_info().get("flash", False),
                                 reason="native flash kernel unavailable")
-
-
-@pytest.fixture
-def specs_built(monkeypatch):
-    """How many calls built a spec (the full path); the replay cache starts empty."""
-    monkeypatch.setattr(api, "_REPLAYS", {})
-    calls = []
-    real = api.build_spec
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "build_spec", counting)
-    return calls
 
 
 def _r(g, *shape):
@@ -48,17 +33,6 @@ def _full(q, k, v, kw):
     finally:
         api._REPLAYS.clear()
         api._REPLAYS.update(saved)
-
-
-def _check(out, q, k, v, kw, dtype):
-    ref = attention_reference(q.double(), k.double(), v.double(), **kw)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
-    else:
-        plain = attention_reference(q.double().to(dtype).double(), k.double(), v.double(),
-                                    **kw).to(dtype)
-        ok, err, bound = fa_tolerance_ok(out, ref, plain)
-        assert ok, (err, bound)
 
 
 FORMS = [
@@ -85,7 +59,7 @@ def test_recurring_calls_are_replayed_with_the_full_paths_bits(kw, dtype, specs_
             if step:
                 assert len(specs_built) == built  # replayed: no spec built
                 assert torch.equal(out, _full(q, k, v, kw))
-            _check(out, q, k, v, kw, dtype)
+            check_oracle(out, q, k, v, kw, dtype)
 
 
 def test_another_form_takes_the_full_path_and_is_right(specs_built):
@@ -96,13 +70,13 @@ def test_another_form_takes_the_full_path_and_is_right(specs_built):
         attnkit.attention(q, *(_r(g, 1, 4, 100, 32) for _ in range(2)), **kw)
         for lk in (101, 160, 64):  # a longer cache: other bounds, other packed blocks
             k, v = _r(g, 1, 4, lk, 32), _r(g, 1, 4, lk, 32)
-            _check(attnkit.attention(q, k, v, **kw), q, k, v, kw, torch.float32)
+            check_oracle(attnkit.attention(q, k, v, **kw), q, k, v, kw, torch.float32)
         kt = _r(g, 1, 64, 4, 32).transpose(1, 2)  # other strides
         v = _r(g, 1, 4, 64, 32)
-        _check(attnkit.attention(q, kt, v, **kw), q, kt, v, kw, torch.float32)
+        check_oracle(attnkit.attention(q, kt, v, **kw), q, kt, v, kw, torch.float32)
         lens = torch.tensor([40])
         out = attnkit.attention(q, kt, v, seqlens_kv=lens, **kw)
-        _check(out, q, kt, v, dict(kw, seqlens_kv=lens), torch.float32)
+        check_oracle(out, q, kt, v, dict(kw, seqlens_kv=lens), torch.float32)
     assert len(specs_built) == 6  # each of another form
 
 
