@@ -205,3 +205,22 @@ def test_a_plan_run_per_vmap_slice_prepares_each_slices_own_call():
         ref = attention_reference(q.double(), k.double(), v.double(), causal=True,
                                   sinks=sinks[i].double())
         torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=2e-5)
+
+
+def test_a_launcher_another_thread_dropped_meanwhile_takes_the_full_path(specs_built):
+    """Two threads can both find a launcher refusing their call; the second one's entry is
+    gone by the time it drops it."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (_r(g, 1, 2, 64, 32) for _ in range(3))
+    with torch.no_grad():
+        attnkit.attention(q, k, v, causal=True)
+        (key,) = api._REPLAYS
+
+        def refusing(*args):
+            api._REPLAYS.pop(key, None)  # (what the other thread did meanwhile)
+            return None
+
+        api._REPLAYS[key] = refusing
+        out = attnkit.attention(q, k, v, causal=True)
+    check_oracle(out, q, k, v, dict(causal=True), torch.float32)
+    assert len(specs_built) == 2
