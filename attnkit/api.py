@@ -238,7 +238,7 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional
     replayed: a tensor subclass, not CPU, not 4-D, an option beyond
     :data:`_REPLAY_OPTIONS`, autocast, a torch.func transform or forward-mode AD, or
     torch.compile tracing. Its last entry says which of q, k, v require grad (False: no
-    gradient wanted; only the flash launcher replays the others). (An unhashable option
+    gradient wanted). (An unhashable option
     value makes the key unhashable: the caller's lookup then says no.)"""
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
         return None
@@ -266,17 +266,14 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional
 
 def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str,
               given: Tuple[Tensor, Tensor, Tensor]) -> None:
-    """Store the launcher of the decode or flash executor for ``key`` (None where it has
-    none: another executor, or a call it does not replay)."""
+    """Store the selected executor's launcher for ``key`` (its ``replay``; None where it has
+    none, or does not replay this call)."""
     launch = None
-    executor = backends.select(spec, backend)
-    if (not spec.squeeze_heads and spec.batch_shape == (spec.n,)
-            and all(s.shape == x.shape for s, x in zip((spec.q, spec.k, spec.v), given))):
-        if executor is backends.REGISTRY["decode"] and not key[-1]:  # (no gradient)
-            launch = executor.replay(spec, band(opts.causal, opts.window))
-        elif executor is backends.REGISTRY["flash"] and all(
-                s.stride() == x.stride() for s, x in zip((spec.q, spec.k, spec.v), given)):
-            launch = executor.replay(spec)
+    replay = getattr(backends.select(spec, backend), "replay", None)
+    if (replay is not None and not spec.squeeze_heads and spec.batch_shape == (spec.n,)
+            and all(s.shape == x.shape and s.stride() == x.stride()
+                    for s, x in zip((spec.q, spec.k, spec.v), given))):
+        launch = replay(spec, band(opts.causal, opts.window), bool(key[-1]))
     if len(_REPLAYS) > 256:  # a few forms recur in decoding; do not grow without bound
         _REPLAYS.clear()
     _REPLAYS[key] = launch

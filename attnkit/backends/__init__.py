@@ -4,7 +4,9 @@ Each executor module declares ``CAPS`` (:class:`~attnkit.backends.base.Capabilit
 features, dtypes, devices and sizes it runs), ``make_plan``, ``forward`` and ``backward``, and
 optionally ``extra_reasons(spec)`` and ``auto_defers(spec)`` (True: it can run the call, but
 ``auto`` should try the next executor first, which this build runs faster; forcing it still
-runs it). Selection walks :data:`PRIORITY`; a forced backend that
+runs it) and ``replay(spec, bounds, grad)`` (a launcher for later calls of the same form,
+which :func:`attnkit.attention` remembers; see the decode and flash executors). Selection walks
+:data:`PRIORITY`; a forced backend that
 cannot run a spec raises one ``NotImplementedError`` listing its reasons, never a silent
 fallback. Adding an executor is its module and one line in :data:`REGISTRY`.
 """

@@ -180,7 +180,8 @@ _REPLAYED = frozenset({"window", "softcap", "seqlens_kv", "starts_kv"})
 Launch = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]], Optional[Tensor]]
 
 
-def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]) -> Optional[Launch]:
+def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]],
+           grad: bool = False) -> Optional[Launch]:
     """A launcher for the calls of a decoding loop that follow this one: the same query
     (shape, strides, dtype), options and key/value heads, dims and dtypes, with any number of
     cached keys in any strides. ``launch(q, k, v, seqlens_kv, starts_kv)`` (4-D tensors, as
@@ -192,8 +193,8 @@ def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]) -> 
     the spec's are clamped to its own cache length. None here when the call is not of that
     form: a contiguous cache with at most one of right (``seqlens_kv``) and left
     (``starts_kv``) padding, causal / window / softcap, no ALiBi, sinks or packed sequences,
-    the kernel able to run it."""
-    if (spec.features() - _REPLAYED or spec.is_empty
+    the kernel able to run it, and no gradient wanted (``grad``)."""
+    if (grad or spec.features() - _REPLAYED or spec.is_empty
             or (spec.seqlens_kv is not None and spec.starts_kv is not None)
             or _kernel_kv(spec) is None or _key_rows(spec) is None):
         return None

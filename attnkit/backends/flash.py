@@ -404,17 +404,27 @@ def _prepared(spec: AttentionSpec, plan: FlashPlan) -> Optional[native.FlashForw
     return call if call is not None and plan.source == _source(spec) else None
 
 
+def _prepare(spec: AttentionSpec, plan: FlashPlan, q: Tensor, k: Tensor, v: Tensor
+             ) -> Optional[native.FlashForward]:
+    """The plan's prepared call for ``spec`` (made and kept on the plan where it has none for
+    these tensors; ``q, k, v``: the spec's with unit stride along the head dim), or None: no
+    kernel, or terms it cannot take."""
+    source = _source(spec)
+    if plan.call is not None and plan.source == source:
+        return plan.call
+    with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
+        t = terms(spec)
+    call = None if t is None else native.flash_prepare(q, k, v, spec.scale, t)
+    if call is not None:
+        plan.call, plan.source = call, source
+    return call
+
+
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
     """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
     inputs' dtype. The kernel call it prepares stays on the plan for the backward."""
-    call = _prepared(spec, plan)
     q, k, v = native._unit_stride(spec.q, spec.k, spec.v)  # (one copy where one is needed)
-    if call is None:
-        with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
-            t = terms(spec)
-        if t is not None:
-            call = native.flash_prepare(q, k, v, spec.scale, t)
-            plan.call, plan.source = call, _source(spec)
+    call = _prepare(spec, plan, q, k, v)
     res = None
     if call is not None:
         try:
@@ -435,10 +445,12 @@ _REPLAYED = frozenset({"window", "softcap"})
 Launch = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]], Optional[Tensor]]
 
 
-def replay(spec: AttentionSpec) -> Optional[Launch]:
+def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]] = (None, None),
+           grad: bool = False) -> Optional[Launch]:
     """A launcher for the calls that follow this one with the same form: q, k and v of the
     same shapes, strides and dtypes (the caller's key holds the options, the dtypes and
-    whether gradients are wanted). ``launch(q, k, v, seqlens_kv, starts_kv)`` runs the kernel
+    whether gradients are wanted; ``bounds`` and ``grad``, the replay protocol's other
+    arguments, are not needed here). ``launch(q, k, v, seqlens_kv, starts_kv)`` runs the kernel
     as :func:`forward` would, with the terms and the kernel's argument block made here once,
     and returns ``out`` in q's dtype: straight from the kernel, or where an input requires
     grad (with grad mode on) through the autograd node with a plan that holds that call (its
@@ -450,9 +462,7 @@ def replay(spec: AttentionSpec) -> Optional[Launch]:
     if (spec.features() - _REPLAYED or spec.is_empty or not native.build_info().get("flash")
             or any(x.stride(-1) != 1 for x in (spec.q, spec.k, spec.v))):
         return None
-    with workers.one_thread(_terms_elements(spec)):
-        t = terms(spec)
-    call = None if t is None else native.flash_prepare(spec.q, spec.k, spec.v, spec.scale, t)
+    call = _prepare(spec, FlashPlan(spec), spec.q, spec.k, spec.v)
     if call is None:
         return None
     template = replace(spec, q=None, k=None, v=None)  # (this call's tensors are not kept)

@@ -980,14 +980,20 @@ class FlashForward:
     def backward_args(self, q: Tensor, k: Tensor, v: Tensor) -> _FlashArgs:
         """The argument block of :func:`flash_backward` for tensors that :meth:`fits` (the
         backward reads no sinks: their gradient is the caller's)."""
+        a = self._args_for(q, k, v)
+        a.sinks = None
+        return a
+
+    def _args_for(self, q: Tensor, k: Tensor, v: Tensor) -> _FlashArgs:
+        """A copy of the argument block, pointing at ``q, k, v``."""
         a = _FlashArgs.from_buffer_copy(self._args)
-        a.q, a.k, a.v, a.sinks = q.data_ptr(), k.data_ptr(), v.data_ptr(), None
+        a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
         return a
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """``(out, lse)`` for tensors that :meth:`fits`; raises :class:`FlashNonFinite` when
         an input is not finite."""
-        a = _FlashArgs.from_buffer_copy(self._args)
+        a = self._args_for(q, k, v)
         n, hq, lq, lk, dv = a.N, a.Hq, a.Lq, a.Lk, a.dv
         out = torch.empty(n, hq, lq, dv, dtype=self.dtype)
         lse = torch.empty(n, hq, lq, dtype=torch.float32)
@@ -998,7 +1004,6 @@ class FlashForward:
         keep = _workspace(a, backward=False)
         kt = torch.empty(self._kt, dtype=torch.float32)
         vf = torch.empty(self._vf, dtype=torch.float32) if self._vf else None
-        a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
         a.kt, a.vf = kt.data_ptr(), (None if vf is None else vf.data_ptr())
         a.bf16dot = int(FLASH_BF16_DOT and self._bf16)
         a.out, a.lse, a.out_dtype = out.data_ptr(), lse.data_ptr(), _DTYPES[self.dtype]
@@ -1022,10 +1027,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
     bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
     Hq a multiple of Hkv. ``out`` comes in q's dtype. A row that sees no key (and has no sink)
     gets out 0 and lse -inf. Raises :class:`FlashNonFinite` when an input is not finite."""
-    if not _flash_ready():
-        return None
     q, k, v = _unit_stride(q, k, v)
-    return FlashForward(q, k, v, scale, terms).run(q, k, v)
+    call = flash_prepare(q, k, v, scale, terms)
+    return None if call is None else call.run(q, k, v)
 
 
 def _unit_stride(*xs: Tensor) -> Tuple[Tensor, ...]:
