@@ -6,7 +6,7 @@ it is tested against. Masks and score mods live in :mod:`attnkit.masks` and
 :mod:`attnkit.score_mods`.
 """
 
-__version__ = "0.1.0"  # first: the ops' revision (attnkit.ops.OP_REVISION) starts with it
+__version__ = "0.2.0"  # first: the ops' revision (attnkit.ops.OP_REVISION) starts with it
 
 from . import distributed, masks, numpy, score_mods
 from .api import (
@@ -20,6 +20,7 @@ from .api import (
     scaled_dot_product_attention,
 )
 from .block_mask import BlockMask, create_block_mask
+from .errors import AttentionTypeError, AttentionValueError
 from .flex import flex_attention
 from .fp8 import quantize_fp8
 from .integrations import torch_varlen as _torch_varlen
@@ -37,6 +38,8 @@ from .varlen import varlen_attention
 _torch_varlen.register()  # "attnkit" in torch's flash-attention registry (not activated)
 
 __all__ = [
+    "AttentionTypeError",
+    "AttentionValueError",
     "AuxOutput",
     "AuxRequest",
     "BlockMask",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+import contextlib
+import os
+import threading
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from . import backends, compiled
+from . import backends, compiled, native
 from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from .checks import autocast_dtype, autocast_inputs
+from .errors import torch_compatible
 from .fp8 import (
     cache_descales,
     check_grad_dtype,
@@ -23,7 +27,8 @@ from .fp8 import (
 from .ops import is_compiling
 from .paged import paged_spec
 from .score_terms import index_grid
-from .spec import AttentionSpec, Options, PagedKV, band, build_spec
+from .spec import AttentionSpec, Options, PagedKV, band, build_spec, normal_padding, signature
+from .spec import build_spec as _build_checked  # (not the name tests count calls of)
 
 
 class AuxRequest(NamedTuple):
@@ -149,13 +154,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
                         f"{type(return_aux).__name__}")
     key = None
     if not (return_lse or return_weights or return_aux is not None):
-        key = _replay_key(q, k, v, options, backend)
+        key, padding = _replay_key(q, k, v, options, backend)
         try:
-            launch = _REPLAYS.get(key) if key is not None else None
+            launch = _lookup(key) if key is not None else None
         except TypeError:  # an unhashable option value (a list for window): not replayed
             key = launch = None
         if launch is not None:
-            out = launch(q, k, v, options.get("seqlens_kv"), options.get("starts_kv"))
+            if CHECK_REPLAYS:
+                _check_replay(key, q, k, v, options, backend)
+            out = launch(q, k, v, *padding)
             if out is not None:
                 return out
             _REPLAYS.pop(key, None)  # the full path explains the refusal (or makes a new one)
@@ -207,7 +214,8 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
     dequantizes, as for any fp8 input."""
     if not fp8_readable_in_place(q, k, v, opts, backend) or any(x.dim() != 4 for x in (q, k, v)):
         return None
-    if (q.shape[2] > backends.REGISTRY["decode"].CAPS.max_query_rows
+    rows = backends.most_query_rows("fp8_kv")
+    if ((rows is not None and q.shape[2] > rows)
             or not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[2] != v.shape[2]):
         return None
     out_dtype, _ = check_out_dtype(opts.out_dtype, opts.out_scale)
@@ -219,7 +227,7 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
         (n,), lk, dtype=torch.int64, device=q.device)
     spec = paged_spec(dequantize_query(q, opts.descale_q, hkv, out_dtype), pages, opts.merged(
         descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted)
-    return spec if backends.choose(spec) is backends.REGISTRY["decode"] else None
+    return spec if backends.choose(spec) is not None else None
 
 
 # ---- calls that recur: a decoding step, the same shapes again ------------------------------
@@ -229,23 +237,57 @@ _REPLAY_OPTIONS = frozenset({"scale", "causal", "diagonal", "window", "softcap"}
 _REPLAY_TENSORS = frozenset({"seqlens_kv", "starts_kv"})
 #: The decode and flash executors' launchers (or None: not replayable) by :func:`_replay_key`
 _REPLAYS: dict = {}
+#: The normalised form (:func:`attnkit.spec.signature`, the executor) each launcher was made
+#: for, by the same keys
+_FORMS: dict = {}
+#: Check every replayed call against the full path's normalised form (a debugging aid, on in
+#: the tests: a launcher serving a call of another form raises ``RuntimeError``);
+#: ``ATTNKIT_CHECK_REPLAYS=1`` turns it on
+CHECK_REPLAYS = os.environ.get("ATTNKIT_CHECK_REPLAYS", "0") == "1"
+_DISABLED = threading.local()
 
 
-def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional[tuple]:
-    """What a call that an executor can replay has in common with the next call of its kind
-    (everything but the number of cached keys and the cache's strides: the decode launcher
-    takes any, the flash launcher checks them itself), or None when this call cannot be
-    replayed: a tensor subclass, not CPU, not 4-D, an option beyond
-    :data:`_REPLAY_OPTIONS`, autocast, a torch.func transform or forward-mode AD, or
-    torch.compile tracing. Its last entry says which of q, k, v require grad (False: no
-    gradient wanted). (An unhashable option
+@contextlib.contextmanager
+def replays_disabled() -> Iterator[None]:
+    """Within the block, this thread's calls take the full path (none is replayed or
+    remembered): what a replayed call must equal, for tests and debugging."""
+    before = getattr(_DISABLED, "on", False)
+    _DISABLED.on = True
+    try:
+        yield
+    finally:
+        _DISABLED.on = before
+
+
+def _lookup(key: tuple) -> Any:
+    """The launcher stored for ``key`` (None: none, or not replayable)."""
+    return _REPLAYS.get(key)
+
+
+def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str
+                ) -> Tuple[Optional[tuple], Tuple[Optional[Tensor], Optional[Tensor]]]:
+    """The key of a call that an executor can replay, and its padding normalised by
+    :func:`attnkit.spec.normal_padding` (``(seqlens_kv, starts_kv)``, what the launcher
+    takes). The key has what the call has in common with the next call of its kind: the raw
+    keywords, shapes, strides and dtypes (everything but the number of cached keys and the
+    cache's strides: the decode launcher takes any, the flash launcher checks them itself),
+    and the normalised padding's form (which padding tensors exist once normalised: all-zero
+    starts hide no key and are none), so that a launcher serves only calls that normalise
+    as the call it was made for did, and which native kernels are loaded (the executors'
+    choice depends on them). The key is None when this call cannot be replayed: a
+    tensor subclass, not CPU, not 4-D, batch sizes that broadcast, an option beyond
+    :data:`_REPLAY_OPTIONS`, padding the full path would refuse, autocast, a torch.func
+    transform or forward-mode AD, torch.compile tracing, or replays disabled. Its last entry
+    says which of q, k, v require grad (False: no gradient wanted). (An unhashable option
     value makes the key unhashable: the caller's lookup then says no.)"""
+    none = (None, (None, None))
     if type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor:
-        return None
+        return none
     if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return None  # (the executors replay CPU calls only)
-    if is_compiling():
-        return None
+        return none  # (the executors replay CPU calls only)
+    ks, vs = k.shape, v.shape
+    if not q.shape[0] == ks[0] == vs[0] or is_compiling() or getattr(_DISABLED, "on", False):
+        return none
     needs = (q.requires_grad, k.requires_grad, v.requires_grad)
     grad = needs if torch.is_grad_enabled() and any(needs) else False
     items = []
@@ -255,28 +297,57 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str) -> Optional
         elif name in _REPLAY_OPTIONS and not isinstance(value, Tensor):
             items.append((name, type(value), value))
         else:
-            return None
+            return none
     if autocast_dtype("cpu") is not None or _transformed():
-        return None
-    ks, vs = k.shape, v.shape
+        return none
+    state = native._state  # which native kernels the executors have (their choice reads it)
+    if "lib" not in state:
+        return none  # (not loaded yet: this call loads them)
+    padding = (None, None)
+    if items and ("seqlens_kv" in options or "starts_kv" in options):
+        try:
+            _, *padding = normal_padding(None, options.get("seqlens_kv"),
+                                         options.get("starts_kv"), q.shape[0], ks[2], ks[2],
+                                         q.device)
+        except (TypeError, ValueError):  # the full path raises its own error first
+            return none
+    form = (padding[0] is not None, padding[1] is not None)
     return (q.shape, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype, vs[0],
-            vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(), tuple(items),
-            grad)
+            vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled(), id(state["lib"]), tuple(items),
+            form, grad), tuple(padding)
 
 
 def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str,
               given: Tuple[Tensor, Tensor, Tensor]) -> None:
     """Store the selected executor's launcher for ``key`` (its ``replay``; None where it has
-    none, or does not replay this call)."""
+    none, or does not replay this call), with the normalised form it was made for. The key's
+    padding form is the spec's own (both from :func:`attnkit.spec.normal_padding`)."""
     launch = None
-    replay = getattr(backends.select(spec, backend), "replay", None)
+    executor = backends.select(spec, backend)
+    replay = getattr(executor, "replay", None)
+    form = (spec.seqlens_kv is not None, spec.starts_kv is not None)
     if (replay is not None and not spec.squeeze_heads and spec.batch_shape == (spec.n,)
-            and all(s.shape == x.shape and s.stride() == x.stride()
-                    for s, x in zip((spec.q, spec.k, spec.v), given))):
+            and form == key[-2] and all(s.shape == x.shape and s.stride() == x.stride()
+                                        for s, x in zip((spec.q, spec.k, spec.v), given))):
         launch = replay(spec, band(opts.causal, opts.window), bool(key[-1]))
     if len(_REPLAYS) > 256:  # a few forms recur in decoding; do not grow without bound
         _REPLAYS.clear()
+        _FORMS.clear()
     _REPLAYS[key] = launch
+    _FORMS[key] = (signature(spec), executor.CAPS.name)
+
+
+def _check_replay(key: tuple, q: Tensor, k: Tensor, v: Tensor, options: dict,
+                  backend: str) -> None:
+    """With :data:`CHECK_REPLAYS`: the full path's normalised form of this call against the
+    one its launcher was made for."""
+    spec = _build_checked(q, k, v, Options.from_kwargs("attention", options))
+    got = (signature(spec), backends.select(spec, backend).CAPS.name)
+    made = _FORMS.get(key)
+    if made is not None and got != made:
+        raise RuntimeError(f"attnkit: a replayed call normalises to another form than the "
+                           f"call its launcher was made for: {got} != {made}")
 
 
 #: attention() outside the compiled graph, for what cannot pass through the custom op
@@ -393,10 +464,8 @@ def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:
 
 def _dense_weights(spec: AttentionSpec, lse: Tensor) -> Tensor:
     """Pre-dropout weights exp(S - lse), dense, without grad."""
-    from .backends.tiled import dense_probabilities
-
     with torch.no_grad(), torch.autocast(spec.q.device.type, enabled=False):
-        p = dense_probabilities(spec, lse.detach().reshape(spec.n, spec.hq, spec.lq))
+        p = backends.dense_probabilities(spec, lse.detach().reshape(spec.n, spec.hq, spec.lq))
     return p.to(spec.q.dtype).reshape(spec.output_shape(spec.lk))
 
 
@@ -475,11 +544,8 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     if sinks is not None:
         opts["sinks"] = sinks.detach().requires_grad_(True)
     spec = _explicit_spec(q.detach(), k.detach(), v.detach(), opts)
-    if dp_scale is not None and backend not in ("auto", "tiled"):
-        raise NotImplementedError(f"dp_scale (dP rounded to fp8 inside the backward) runs on "
-                                  f"the tiled executor; got backend={backend!r}: pass "
-                                  f"backend='auto' or 'tiled', or drop dp_scale")
-    executor = backends.select(spec, "tiled" if dp_scale is not None else backend)
+    executor = (backends.select(spec, backend) if dp_scale is None
+                else backends.with_extra("dp_scale", spec, backend))
     if is_fp8(q):  # out and dout in the dtype the executors computed the inputs in
         out, dout = out.to(spec.q.dtype), dout.to(spec.q.dtype)
     canon = (spec.n, spec.hq, spec.lq)
@@ -499,10 +565,8 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                   for gx, x in ((g.dq, q), (g.dk, k), (g.dv, v)))
     amax = None
     if return_amax:
-        from .backends import tiled
-
         amax = GradAmax(dq=_amax(dq), dk=_amax(dk), dv=_amax(dv),
-                        dp=tiled.dp_amax(spec, dout.reshape(*canon, spec.dv)))
+                        dp=backends.dp_amax(spec, dout.reshape(*canon, spec.dv)))
     grads = Grads(dq=finish_output(dq, grad_dtype, scale_dq),
                   dk=finish_output(dk, grad_dtype, scale_dk),
                   dv=finish_output(dv, grad_dtype, scale_dv), dbias=dbias, dsinks=dsinks)
@@ -532,19 +596,32 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     semantics: a bool ``attn_mask`` is True where attention may happen, a float one is added to
     the scores; ``is_causal`` is top-left; key/value heads may differ from query heads only with
     ``enable_gqa=True``. Fully masked rows give 0 (torch's safe softmax). Dropout uses attnkit's
-    replayable dropout with a seed drawn from torch's default generator.
+    replayable dropout with a seed drawn from torch's default generator. Head dims of 0 are
+    torch's too: Dqk = 0 makes every score 0, Dv = 0 gives an empty output.
+
+    Errors: where torch raises ``RuntimeError`` (mixed dtypes, 1-D inputs, shapes that do not
+    fit), this raises :class:`attnkit.AttentionTypeError` / :class:`attnkit.AttentionValueError`:
+    attnkit's ``TypeError``/``ValueError`` (the same message) that ``except RuntimeError``
+    catches too.
     """
-    if not enable_gqa and query.dim() >= 3 and key.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        raise ValueError(
-            f"query has {query.shape[-3]} heads and key has {key.shape[-3]}; pass "
-            f"enable_gqa=True for grouped-query attention (as torch requires)")
-    mask = bias = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            mask = attn_mask
-        else:
-            bias = attn_mask
-    return attention(query, key, value, mask=mask, bias=bias, causal=is_causal, scale=scale,
-                     dropout_p=dropout_p)
+    try:
+        if (not enable_gqa and query.dim() >= 3 and key.dim() >= 3
+                and query.shape[-3] != key.shape[-3]):
+            raise ValueError(
+                f"query has {query.shape[-3]} heads and key has {key.shape[-3]}; pass "
+                f"enable_gqa=True for grouped-query attention (as torch requires)")
+        mask = bias = None
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                mask = attn_mask
+            else:
+                bias = attn_mask
+        return attention(query, key, value, mask=mask, bias=bias, causal=is_causal,
+                         scale=scale, dropout_p=dropout_p)
+    except (TypeError, ValueError) as err:
+        converted = torch_compatible(err)
+        if converted is None:
+            raise
+        raise converted from None
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .backends import tiled
+from . import backends
 from .checks import autocast_dtype
 from .spec import AttentionSpec
 
@@ -74,10 +74,11 @@ class _AttentionFunction(torch.autograd.Function):
         if dlse is not None and not bool(dlse.any()):
             dlse = None
         executor, plan = ctx.executor, ctx.plan
-        if torch.is_grad_enabled() and executor is not tiled:
-            # create_graph=True: the tiled backward is written in differentiable torch ops
-            # (the fused kernel's backward has no derivative); same math, same result
-            executor, plan = tiled, tiled.make_plan(spec)
+        if torch.is_grad_enabled() and "differentiable_backward" not in executor.CAPS.extras:
+            # create_graph=True: an executor whose backward is written in differentiable
+            # torch ops (the kernels' backwards have no derivative); same math, same result
+            executor = backends.with_extra("differentiable_backward", spec)
+            plan = executor.make_plan(spec)
         with _no_autocast(spec):
             g = executor.backward(spec, plan, out, lse, dout, dlse)
         need = ctx.needs_input_grad

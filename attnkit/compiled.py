@@ -36,9 +36,10 @@ def _is_builtin(mod: Any) -> bool:
 
 
 EAGER_REASON = ("attnkit: a score_mod that is not an attnkit builtin (attnkit.score_mods), "
-                "return_weights or AuxRequest(dropout_mask=True) runs eagerly, outside the "
-                "compiled graph: a Python callable or a dense (Lq x Lk) result cannot pass "
-                "through a custom op")
+                "return_weights, AuxRequest(dropout_mask=True, amax_s=True or amax_o=True) "
+                "or an fp8 descale that requires grad runs eagerly, outside the compiled "
+                "graph: a Python callable, a dense (Lq x Lk) result or a gradient through "
+                "the dequantized inputs cannot pass through a custom op")
 
 
 def eagerly(fn: Callable) -> Callable:
@@ -47,10 +48,13 @@ def eagerly(fn: Callable) -> Callable:
 
 
 def runs_eagerly(opts: Any, return_aux: Any, return_weights: bool) -> bool:
-    """Whether an attention call needs what cannot pass through the custom op."""
-    fp8 = any(getattr(opts, name) is not None for name in (
-        "descale_q", "descale_k", "descale_v", "p_scale", "out_dtype", "out_scale"))
-    return bool(return_weights or fp8 or (return_aux is not None and (
+    """Whether an attention call needs what cannot pass through the custom op: a dense
+    result, a score_mod that is not a builtin, or a descale that needs a gradient (which
+    flows through the dequantized inputs, outside any op)."""
+    learnable = torch.is_grad_enabled() and any(
+        isinstance(getattr(opts, name), Tensor) and getattr(opts, name).requires_grad
+        for name in ("descale_q", "descale_k", "descale_v"))
+    return bool(return_weights or learnable or (return_aux is not None and (
         return_aux.dropout_mask or return_aux.amax_s or return_aux.amax_o))
                 or (opts.score_mod is not None and not _is_builtin(opts.score_mod)))
 
@@ -111,9 +115,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, bac
               ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`attnkit.attention`'s ``(out, lse, max_scores)`` under torch.compile (a call
     :func:`runs_eagerly` does not send outside the graph)."""
+    from .fp8 import finish_output
+
+    if opts.p_scale is not None and torch.is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, opts.bias, opts.sinks)):
+        from .api import _P_SCALE_FORWARD_ONLY
+
+        raise NotImplementedError(_P_SCALE_FORWARD_ONLY)
     opts = opts.merged(mask=_mask_for_op(opts.mask, q, k))
     p = ops.pack("attention", q, k, v, opts, backend=backend, outputs=sorted(wanted))
-    return ops.call(p, q, k, v)
+    out, lse, mx = ops.call(p, q, k, v)
+    return finish_output(out, opts.out_dtype, opts.out_scale), lse, mx
 
 
 def paged(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqlens_kv: Tensor,

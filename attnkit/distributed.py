@@ -41,10 +41,11 @@ from torch import Tensor
 
 from .api import attention_backward, attention_forward
 from .checks import check_window, compute_dtype_of
+from .fp8 import check_out_dtype, finish_output
 from .merge import merge_state
 from .mods import find_captured_tensors, remap
 from .score_mods import alibi, compose
-from .spec import Options
+from .spec import DoorOptions, Options
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -517,7 +518,17 @@ UNSUPPORTED = {
     "sinks": "not yet carried around the ring", "dropout_p": "not yet replayed "
     "around the ring", "seed": "no dropout", "offset": "no dropout",
     "dropout_mask": "a keep mask describes one local grid",
+    "p_scale": "the softmax weights are rounded to fp8 after normalising by the whole row, "
+               "which each block's partial softmax does not know; run attnkit.attention",
+    "descale_q": "fp8 shards are not carried around the ring: dequantize them first "
+                 "(q8.float() * descale_q)",
+    "descale_k": "fp8 shards are not carried around the ring: dequantize them first",
+    "descale_v": "fp8 shards are not carried around the ring: dequantize them first",
 }
+#: What ring_attention takes (an allow-list: each block's call is rebuilt from these)
+TAKES = DoorOptions("ring_attention", frozenset({
+    "scale", "causal", "window", "alibi_slopes", "softcap", "score_mod", "mask", "out_dtype",
+    "out_scale"}), UNSUPPORTED)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
@@ -540,7 +551,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
     flow through one autograd node per rank: every rank must run the backward (it is a second
     ring pass), e.g. ``loss.backward()`` on each rank.
 
-    Takes the options of :func:`attnkit.attention` but those in :data:`UNSUPPORTED`.
+    Takes the options in :data:`TAKES` (an allow-list; the others are refused with the
+    reasons in :data:`UNSUPPORTED`).
 
     Args:
         layout: ``"contiguous"`` (rank r holds positions ``[r * L_local, (r + 1) * L_local)``)
@@ -553,6 +565,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
             applied after ALiBi. Tensors it captures get no gradient.
         mask: a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` called with global positions (e.g.
             documents); prefer ``causal`` and ``window``, which skip whole blocks.
+        out_dtype, out_scale: the output's dtype (and an fp8 output's scale), as in
+            :func:`attnkit.attention`.
         return_lse: also return ``lse``; its gradient is supported.
         backend: the executor for each block, as in :func:`attnkit.attention`.
 
@@ -561,11 +575,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: Any = None,
         ValueError: shards differ in shape or dtype between ranks, q and k hold different
             lengths, an odd L_local with ``layout="zigzag"``, invalid options.
     """
-    opts = Options.from_kwargs("ring_attention", options, UNSUPPORTED)
+    opts = Options.from_kwargs("ring_attention", options, TAKES)
+    out_dtype, out_scale = check_out_dtype(opts.out_dtype, opts.out_scale)
     _check_tensors(q, k, v)
     cfg = _build_config(q, group, opts.causal, opts.scale, layout, opts.window,
                         opts.alibi_slopes, opts.softcap, opts.score_mod, opts.mask, backend)
     ring = _Ring(group)
     _check_shards(ring, q, k, v, cfg.layout)
     out, lse = _RingAttention.apply(ring, cfg, q, k, v)
+    out = finish_output(out, out_dtype, out_scale)
     return (out, lse) if return_lse else out

@@ -11,13 +11,13 @@ tensors, the call is validated and normalised by :func:`attnkit.spec.build_spec`
 eager mode, the planner runs, and the same executor as in eager mode computes it; the fake
 kernels say only the output shapes, so a compiled graph holds one opaque call per attention.
 ``register_autograd`` wires the backward op, so the one autograd node stays the one backward;
-a backward that is itself differentiated (``create_graph=True``) runs the tiled executor's
-differentiable torch ops instead.
+a backward that is itself differentiated (``create_graph=True``) runs the differentiable torch
+ops of the executor that declares them (``Capabilities.extras``) instead.
 
 The front doors call these ops when torch.compile traces them
 (``torch.compiler.is_compiling()``); in eager mode they call the same executors through the
 same autograd node directly, which costs about a third of a custom op's dispatch per call (see
-the README's torch.compile section).
+docs/guides/compile.md).
 """
 
 from __future__ import annotations
@@ -34,10 +34,29 @@ from torch import Tensor
 SLOTS = ("mask", "alibi_slopes", "seqlens_q", "seqlens_kv", "starts_kv", "dropout_mask", "seed",
          "segments_q", "segments_kv", "row_offset", "k_pages", "v_pages", "block_table",
          "cu_seqlens_q", "cu_seqlens_kv", "bm_kv_num_blocks", "bm_kv_indices",
-         "bm_full_kv_num_blocks", "bm_full_kv_indices", "k_descale", "v_descale")
+         "bm_full_kv_num_blocks", "bm_full_kv_indices", "k_descale", "v_descale",
+         "descale_q", "descale_k", "descale_v")
 #: Options whose tensors may get a gradient; they travel with the mods' tensors in the ops'
 #: ``grad_tensors`` list (the config names which are present).
 GRAD_OPTIONS = ("bias", "sinks")
+
+#: How each option of :class:`attnkit.spec.Options` travels through the ops, by name:
+#: ``"value"`` a JSON value in the config (a window's tuple as a list), ``"dtype"`` a dtype
+#: by its name in the config, ``"slot"`` a tensor in its slot of :data:`SLOTS` (numbers and
+#: lists become tensors), ``"number_or_slot"`` a number in the config or a tensor in its slot,
+#: ``"grad"`` a tensor that may get a gradient (:data:`GRAD_OPTIONS`), ``"mask"`` (a tensor, a
+#: BlockMask or a builtin mask_mod's recipe), ``"score_mod"`` (a builtin's recipe) and
+#: ``"seed"`` (a tensor drawn per call when None). :func:`pack` and :func:`unpack` walk it
+#: for every option there is: an option it does not name cannot be packed (``pack`` refuses
+#: a call that sets it), so an option added to ``Options`` fails the compile tests until it
+#: is carried here.
+CARRY = {"scale": "value", "mask": "mask", "bias": "grad", "causal": "value",
+         "window": "value", "diagonal": "value", "score_mod": "score_mod", "softcap": "value",
+         "alibi_slopes": "slot", "seqlens_q": "slot", "seqlens_kv": "slot",
+         "starts_kv": "slot", "sinks": "grad", "dropout_p": "value", "seed": "seed",
+         "offset": "value", "dropout_mask": "slot", "descale_q": "number_or_slot",
+         "descale_k": "number_or_slot", "descale_v": "number_or_slot", "p_scale": "value",
+         "out_dtype": "dtype", "out_scale": "value"}
 
 
 def revision(source: str) -> str:
@@ -101,26 +120,53 @@ class Packed:
 def pack(door: str, q: Tensor, k: Tensor, v: Tensor, options: Any, *, backend: str,
          outputs: Sequence[str] = (), extra: Optional[Dict[str, Any]] = None) -> Packed:
     """``options`` (an :class:`attnkit.spec.Options`) and the door's own tensors (``extra``:
-    segments, pages, cu_seqlens ...) as op arguments. Shape-only work: safe to trace."""
+    segments, pages, cu_seqlens ...) as op arguments, every option as :data:`CARRY` says.
+    Shape-only work: safe to trace."""
+    from .spec import _DEFAULT_OPTIONS, _is_default
+
     p = Packed()
     cfg = p.config
-    cfg.update(rev=OP_REVISION, door=door, backend=backend, outputs=list(outputs),
-               scale=options.scale, causal=options.causal, diagonal=options.diagonal,
-               softcap=options.softcap, dropout_p=options.dropout_p, offset=options.offset)
-    cfg["window"] = None if options.window is None else list(options.window)
-    for name in GRAD_OPTIONS:
+    cfg.update(rev=OP_REVISION, door=door, backend=backend, outputs=list(outputs))
+    values: Dict[str, Any] = {}
+    for name in options.names():
         x = getattr(options, name)
-        if x is not None:
-            p.options[name] = _as_tensor(x, q)
+        how = CARRY.get(name)
+        if how is None:
+            if not _is_default(x, getattr(_DEFAULT_OPTIONS, name)):
+                raise NotImplementedError(f"the option {name!r} is not carried through the "
+                                          f"compiled attention op (attnkit.ops.CARRY)")
+        elif how == "value":
+            values[name] = list(x) if isinstance(x, tuple) else x
+        elif how == "dtype":
+            values[name] = None if x is None else str(x).replace("torch.", "")
+        elif how == "slot":
+            p.slots[name] = _as_tensor(x, q, torch.float32 if name == "alibi_slopes" else None)
+        elif how == "number_or_slot":
+            if isinstance(x, Tensor):
+                p.slots[name] = x
+            else:
+                values[name] = x
+        elif how == "grad":
+            if x is not None:
+                p.options[name] = _as_tensor(x, q)
+        elif how == "seed":
+            if options.dropout_p > 0.0 and options.dropout_mask is None:
+                p.slots["seed"] = _seed_tensor(x, q.device)
+        elif how == "mask":
+            _pack_mask(p, x)
+        elif how == "score_mod":
+            if x is not None:
+                cfg["score_mod"] = p.recipe(x, "score_mod")
+    cfg["values"] = values
     cfg["options"] = [name for name in GRAD_OPTIONS if name in p.options]
-    for name in ("seqlens_q", "seqlens_kv", "starts_kv", "dropout_mask"):
-        p.slots[name] = _as_tensor(getattr(options, name), q)
-    slopes = options.alibi_slopes
-    p.slots["alibi_slopes"] = slopes if slopes is None or isinstance(slopes, Tensor) else (
-        torch.as_tensor(slopes, dtype=torch.float32, device=q.device))
-    if options.dropout_p > 0.0 and options.dropout_mask is None:
-        p.slots["seed"] = _seed_tensor(options.seed, q.device)
-    mask = options.mask
+    for name, value in (extra or {}).items():
+        p.slots[name] = value
+    return p
+
+
+def _pack_mask(p: Packed, mask: Any) -> None:
+    """A bool mask into its slot, a BlockMask's tensors into theirs, a builtin mask_mod as
+    its recipe."""
     if isinstance(mask, Tensor):
         p.slots["mask"] = mask
     elif hasattr(mask, "kv_num_blocks"):  # a BlockMask
@@ -130,23 +176,18 @@ def pack(door: str, q: Tensor, k: Tensor, v: Tensor, options: Any, *, backend: s
         p.slots["bm_kv_num_blocks"], p.slots["bm_kv_indices"] = bm.kv_num_blocks, bm.kv_indices
         p.slots["bm_full_kv_num_blocks"] = bm.full_kv_num_blocks
         p.slots["bm_full_kv_indices"] = bm.full_kv_indices
-        cfg["block_mask"] = {"BLOCK_SIZE": list(bm.BLOCK_SIZE),
-                             "seq_lengths": list(bm.seq_lengths),
-                             "mask_mod": None if bm.mask_mod is None
-                             else p.recipe(bm.mask_mod, "the BlockMask's mask_mod")}
+        p.config["block_mask"] = {"BLOCK_SIZE": list(bm.BLOCK_SIZE),
+                                  "seq_lengths": list(bm.seq_lengths),
+                                  "mask_mod": None if bm.mask_mod is None
+                                  else p.recipe(bm.mask_mod, "the BlockMask's mask_mod")}
     elif mask is not None:
-        cfg["mask_mod"] = p.recipe(mask, "mask")
-    if options.score_mod is not None:
-        cfg["score_mod"] = p.recipe(options.score_mod, "score_mod")
-    for name, value in (extra or {}).items():
-        p.slots[name] = value
-    return p
+        p.config["mask_mod"] = p.recipe(mask, "mask")
 
 
-def _as_tensor(x: Any, like: Tensor) -> Optional[Tensor]:
+def _as_tensor(x: Any, like: Tensor, dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
     if x is None or isinstance(x, Tensor):
         return x
-    return torch.as_tensor(x, device=like.device)
+    return torch.as_tensor(x, dtype=dtype, device=like.device)
 
 
 def _seed_tensor(seed: Optional[int], device: torch.device) -> Tensor:
@@ -199,18 +240,7 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
             compute_q_blocks=False)
     elif cfg.get("mask_mod") is not None:
         mask = _mod(cfg["mask_mod"], mod_tensors)
-    seed = None
-    if t["seed"] is not None:
-        lo, hi = (int(x) for x in t["seed"].tolist())
-        seed = lo | (hi << 32)
-    window = cfg["window"]
-    opts = Options(scale=cfg["scale"], mask=mask, bias=named.get("bias"), causal=cfg["causal"],
-                   window=None if window is None else tuple(window), diagonal=cfg["diagonal"],
-                   score_mod=_mod(cfg.get("score_mod"), mod_tensors), softcap=cfg["softcap"],
-                   alibi_slopes=t["alibi_slopes"], seqlens_q=t["seqlens_q"],
-                   seqlens_kv=t["seqlens_kv"], starts_kv=t["starts_kv"], sinks=named.get("sinks"),
-                   dropout_p=cfg["dropout_p"], seed=seed, offset=cfg["offset"],
-                   dropout_mask=t["dropout_mask"])
+    opts = Options(**_unpacked_options(cfg, t, named, mask, mod_tensors))
     door = cfg["door"]
     extra: Dict[str, Any] = {"outputs": frozenset(cfg["outputs"])}
     if door == "varlen":
@@ -227,6 +257,37 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
         extra["paged"] = PagedKV(t["k_pages"], t["v_pages"], t["block_table"].long(),
                                  t["k_descale"], t["v_descale"])
     return build_spec(q, k, v, opts, **extra), grad_tensors
+
+
+def _unpacked_options(cfg: Dict[str, Any], t: Dict[str, Optional[Tensor]],
+                      named: Dict[str, Tensor], mask: Any,
+                      mod_tensors: Sequence[Tensor]) -> Dict[str, Any]:
+    """Every option of a packed call by name, read back as :data:`CARRY` says."""
+    from .spec import Options
+
+    values = cfg["values"]
+    out: Dict[str, Any] = {}
+    for name in Options.names():
+        how = CARRY.get(name)
+        if how == "value" and name in values:
+            x = values[name]
+            out[name] = tuple(x) if isinstance(x, list) else x
+        elif how == "dtype" and values.get(name) is not None:
+            out[name] = getattr(torch, values[name])
+        elif how == "slot":
+            out[name] = t[name]
+        elif how == "number_or_slot":
+            out[name] = t[name] if t[name] is not None else values.get(name)
+        elif how == "grad":
+            out[name] = named.get(name)
+        elif how == "seed" and t["seed"] is not None:
+            lo, hi = (int(x) for x in t["seed"].tolist())
+            out[name] = lo | (hi << 32)
+        elif how == "mask":
+            out[name] = mask
+        elif how == "score_mod":
+            out[name] = _mod(cfg.get("score_mod"), mod_tensors)
+    return out
 
 
 def stand_ins(k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
@@ -252,6 +313,19 @@ def _output_shapes(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tuple[int, ...], Tu
     return (*batch, q.shape[-3], q.shape[-2], v.shape[-1]), (*batch, q.shape[-3], q.shape[-2])
 
 
+def _out_dtype(q: Tensor, cfg: Dict[str, Any]) -> torch.dtype:
+    """The op's ``out`` dtype: q's, or for fp8 inputs the dtype they are dequantized into
+    (:func:`attnkit.fp8.dequantize_inputs`: a float ``out_dtype``, else bfloat16). The front
+    door converts it to ``out_dtype`` afterwards."""
+    from .fp8 import is_fp8
+
+    if not is_fp8(q):
+        return q.dtype
+    name = cfg["values"].get("out_dtype")
+    dtype = None if name is None else getattr(torch, name)
+    return dtype if dtype is not None and not is_fp8(dtype) else torch.bfloat16
+
+
 def _lse_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -269,7 +343,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Tensor],
     executor = backends.select(spec, cfg["backend"])
     with torch.no_grad():
         res = executor.forward(spec, executor.make_plan(spec))
-    out = res.out.to(q.dtype).reshape(spec.output_shape(spec.dv)).contiguous()
+    out = res.out.to(spec.q.dtype).reshape(spec.output_shape(spec.dv)).contiguous()
     lse = res.lse.to(_lse_dtype(q)).reshape(spec.lse_shape()).contiguous()
     if "max_scores" not in spec.outputs:  # (not computed: an empty tensor, not a NaN one)
         return out, lse, q.new_empty(0, dtype=_lse_dtype(q))
@@ -279,9 +353,11 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Tensor],
 
 @attention_op.register_fake
 def _attention_fake(q, k, v, grad_tensors, tensors, config):
+    cfg = json.loads(config)
     out_shape, lse_shape = _output_shapes(q, k, v)
-    mx_shape = lse_shape if "max_scores" in json.loads(config)["outputs"] else (0,)
-    return (q.new_empty(out_shape), q.new_empty(lse_shape, dtype=_lse_dtype(q)),
+    mx_shape = lse_shape if "max_scores" in cfg["outputs"] else (0,)
+    return (q.new_empty(out_shape, dtype=_out_dtype(q, cfg)),
+            q.new_empty(lse_shape, dtype=_lse_dtype(q)),
             q.new_empty(mx_shape, dtype=_lse_dtype(q)))
 
 
@@ -378,16 +454,18 @@ def _none_if_empty(d: Tensor, like: Tensor) -> Optional[Tensor]:
 def _differentiable_backward(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
                              tensors: Sequence[Optional[Tensor]], config: str, out: Tensor,
                              lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> List[Tensor]:
-    """The backward in the tiled executor's torch ops, outside any op (so it is itself
-    differentiable): used for double backward. The mods are rebuilt on the saved tensors
+    """The backward in differentiable torch ops (the executor with the
+    ``"differentiable_backward"`` extra), outside any op (so it is itself differentiable):
+    used for double backward. The mods are rebuilt on the saved tensors
     themselves, so second derivatives reach them."""
-    from .backends import tiled
+    from . import backends
 
     cfg = json.loads(config)
     cfg.pop("grads", None)  # the saved tensors carry their own requires_grad
     spec, marked = unpack(q, k, v, grad_tensors, tensors, cfg)
     canon = (spec.n, spec.hq, spec.lq)
-    g = tiled.backward(spec, tiled.make_plan(spec), out.reshape(*canon, spec.dv),
+    executor = backends.with_extra("differentiable_backward", spec)
+    g = executor.backward(spec, executor.make_plan(spec), out.reshape(*canon, spec.dv),
                        lse.reshape(canon), dout.reshape(*canon, spec.dv),
                        None if dlse is None else dlse.reshape(canon))
     cfg["grads"] = list(range(len(grad_tensors)))

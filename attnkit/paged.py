@@ -29,7 +29,7 @@ from .checks import check_int
 from .fp8 import FP8_DTYPES, cast_fp8, check_positive, suggested_scale
 from .ops import is_compiling, stand_ins
 from .pages import _check_pages, _index_tensor, check_page_descales, gather_kv
-from .spec import Options, PagedKV, build_spec
+from .spec import DoorOptions, Options, PagedKV, build_spec
 
 __all__ = ["PagedKVCache", "gather_kv", "OutOfPagesError", "UnknownSequenceError"]
 
@@ -392,6 +392,9 @@ UNSUPPORTED = {
     "descale_k": "the key descales are the pages' (k_descale)",
     "descale_v": "the value descales are the pages' (v_descale)",
 }
+#: What paged_attention takes: every option but those above (the call's Options go whole into
+#: build_spec)
+TAKES = DoorOptions.all_but("paged_attention", UNSUPPORTED)
 
 
 def paged_spec(q: Tensor, pages: PagedKV, opts: Options,
@@ -446,7 +449,7 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     from .api import _execute, attention
 
     options = {"causal": True, "diagonal": "bottom_right", **options}
-    opts = Options.from_kwargs("paged_attention", options, UNSUPPORTED)
+    opts = Options.from_kwargs("paged_attention", options, TAKES)
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, Dqk); got "
                          f"{tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__}")

@@ -136,20 +136,23 @@ class Options:
 
     @classmethod
     def from_kwargs(cls, door: str, kwargs: Mapping[str, Any],
-                    unsupported: Mapping[str, str] = {}) -> Options:
+                    takes: Optional[DoorOptions] = None) -> Options:
         """The options ``door`` was called with. An unknown keyword is a ``TypeError`` that
-        lists the valid ones; an option in ``unsupported`` (name -> why) given a value other
-        than its default is a ``NotImplementedError`` that says why."""
+        lists the valid ones; an option the door does not take (``takes``, its
+        :class:`DoorOptions`; None: every option) given a value other than its default is a
+        ``NotImplementedError`` that says why."""
         names = cls.names()
+        refused = takes.refused if takes is not None else frozenset()
         for key in kwargs:
             if key not in names:
-                valid = ", ".join(n for n in names if n not in unsupported)
+                valid = ", ".join(n for n in names if n not in refused)
                 raise TypeError(f"{door}() got an unexpected keyword argument {key!r}; its "
                                 f"options are: {valid}")
         defaults = _DEFAULT_OPTIONS
-        for key, why in unsupported.items():
-            if key in kwargs and not _is_default(kwargs[key], getattr(defaults, key)):
-                raise NotImplementedError(f"{door}() does not take {key}: {why}")
+        for key in refused & kwargs.keys():
+            if not _is_default(kwargs[key], getattr(defaults, key)):
+                raise NotImplementedError(f"{door}() does not take {key}: "
+                                          f"{takes.reason(key)}")  # type: ignore[union-attr]
         return cls(**kwargs)
 
     def merged(self, **changes: Any) -> Options:
@@ -159,6 +162,41 @@ class Options:
 
 _OPTION_NAMES = tuple(f.name for f in fields(Options))  # (torch.compile traces a constant)
 _DEFAULT_OPTIONS = Options()
+
+
+@dataclass(frozen=True)
+class DoorOptions:
+    """Which :class:`Options` a front door takes, as data (as the executors declare their
+    :class:`~attnkit.backends.base.Capabilities`): ``takes`` is an allow-list of option names
+    and ``why`` gives the reason for refusing some of the others; every option not taken is
+    refused (:meth:`Options.from_kwargs` raises ``NotImplementedError`` with the reason), so
+    an option added to :class:`Options` is refused by a door until the door carries it."""
+
+    door: str
+    takes: FrozenSet[str]
+    why: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = (self.takes | set(self.why)) - set(_OPTION_NAMES)
+        if unknown or self.takes & set(self.why):
+            raise ValueError(f"{self.door}: DoorOptions names options that do not exist "
+                             f"({sorted(unknown)}) or both takes and refuses "
+                             f"{sorted(self.takes & set(self.why))}")
+
+    @classmethod
+    def all_but(cls, door: str, why: Mapping[str, str]) -> DoorOptions:
+        """A door that passes its :class:`Options` whole to :func:`build_spec` (so it carries
+        every option by construction) but those in ``why``."""
+        return cls(door, frozenset(_OPTION_NAMES) - set(why), dict(why))
+
+    @property
+    def refused(self) -> FrozenSet[str]:
+        return frozenset(_OPTION_NAMES) - self.takes
+
+    def reason(self, name: str) -> str:
+        """Why the door refuses option ``name``."""
+        return self.why.get(name, f"{self.door} does not carry {name} (yet); call "
+                                  f"attnkit.attention for it")
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -608,12 +646,8 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
         f["softcap"] = check_softcap(opts.softcap, compute)
     if opts.alibi_slopes is not None:
         f["alibi_slopes"] = check_alibi(opts.alibi_slopes, n, hq, lq, dev, compute)
-    if opts.seqlens_q is not None:
-        f["seqlens_q"] = check_seqlens("seqlens_q", opts.seqlens_q, n, lq, dev)
-    if opts.seqlens_kv is not None:
-        f["seqlens_kv"] = check_seqlens("seqlens_kv", opts.seqlens_kv, n, lk, dev)
-    if opts.starts_kv is not None:
-        f["starts_kv"] = _check_starts(opts.starts_kv, n, lk, dev)
+    f["seqlens_q"], f["seqlens_kv"], f["starts_kv"] = normal_padding(
+        opts.seqlens_q, opts.seqlens_kv, opts.starts_kv, n, lq, lk, dev)
     if opts.sinks is not None:
         sinks = opts.sinks
         if not isinstance(sinks, Tensor) or not sinks.dtype.is_floating_point:
@@ -630,6 +664,31 @@ def build_spec(q: Tensor, k: Tensor, v: Tensor, options: Optional[Options] = Non
     if spec.mask_mod is not None:
         spec = absorb_mask_structure(spec)  # last: it needs the final diagonal offsets
     return spec
+
+
+def normal_padding(seqlens_q: Any, seqlens_kv: Any, starts_kv: Any, n: int, lq: int, lk: int,
+                   device: torch.device
+                   ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The padding options as a spec holds them: int64 ``(N,)`` tensors checked against the
+    lengths, None where absent, and None for starts that hide no key. :func:`build_spec` and
+    the replay of recurring calls (:func:`attnkit.api.attention`) both call this, so what a
+    replayed call's padding normalises to is what the full path's would."""
+    return (None if seqlens_q is None else check_seqlens("seqlens_q", seqlens_q, n, lq, device),
+            None if seqlens_kv is None else check_seqlens("seqlens_kv", seqlens_kv, n, lk,
+                                                           device),
+            None if starts_kv is None else _check_starts(starts_kv, n, lk, device))
+
+
+def signature(spec: AttentionSpec) -> Tuple[Any, ...]:
+    """The normalised form of a call, without its tensors' contents or its number of keys:
+    every feature, dtype, shape but Lk, and scalar that :func:`build_spec` decided, and which
+    window bounds exist (their values are clamped to Lk). Two calls with one signature are
+    one form for every executor's choice and every prepared launcher; the replay of recurring
+    calls checks it (:data:`attnkit.api.CHECK_REPLAYS`)."""
+    return (spec.features(), spec.q.dtype, spec.k.dtype, spec.v.dtype, spec.q.device,
+            tuple(spec.q.shape), spec.hkv, spec.dv, spec.batch_shape, spec.squeeze_heads,
+            spec.scale, spec.softcap, spec.diagonal, spec.left is None, spec.right is None,
+            spec.dropout_p, spec.p_scale, spec.out_dtype, spec.out_scale)
 
 
 def _check_starts(x: Any, n: int, lk: int, device: torch.device) -> Optional[Tensor]:

@@ -14,7 +14,15 @@ from .fp8 import cache_descales, check_out_dtype, dequantize_query, finish_outpu
 from .mods import remap
 from .ops import is_compiling
 from .paged import paged_spec
-from .spec import _DEFAULT_OPTIONS, AttentionSpec, Options, PagedKV, _is_default, build_spec
+from .spec import (
+    _DEFAULT_OPTIONS,
+    AttentionSpec,
+    DoorOptions,
+    Options,
+    PagedKV,
+    _is_default,
+    build_spec,
+)
 
 #: Options varlen_attention does not take, and why.
 UNSUPPORTED = {
@@ -26,6 +34,9 @@ UNSUPPORTED = {
     "starts_kv": "cu_seqlens_kv gives where every sequence's keys start",
     "dropout_mask": "packed positions are not one (Lq, Lk) grid; use dropout_p with a seed",
 }
+#: What varlen_attention takes: every option but those above (the call's Options go whole into
+#: build_spec)
+TAKES = DoorOptions.all_but("varlen_attention", UNSUPPORTED)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_kv: Any,
@@ -48,7 +59,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
     Zero-length sequences are allowed; no work is spent across sequences beyond the tiles that
     straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
     """
-    opts = Options.from_kwargs("varlen_attention", options, UNSUPPORTED)
+    opts = Options.from_kwargs("varlen_attention", options, TAKES)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim); got "
@@ -104,7 +115,8 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     if nseq < 1 or q.shape[0] % nseq:
         return None
     rows = q.shape[0] // nseq
-    if rows > backends.REGISTRY["decode"].CAPS.max_query_rows or bool((counts != rows).any()):
+    most = backends.most_query_rows("fp8_kv")
+    if (most is not None and rows > most) or bool((counts != rows).any()):
         return None
     out_dtype, _ = check_out_dtype(opts.out_dtype, None)
     hkv = k.shape[1]
@@ -116,7 +128,7 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
                     cache_descales("v", vt, opts.descale_v))
     spec = paged_spec(qb, pages, opts.merged(descale_q=None, descale_k=None, descale_v=None,
                                              seqlens_kv=cu_k[1:], starts_kv=cu_k[:-1]))
-    return (spec, rows) if backends.choose(spec) is backends.REGISTRY["decode"] else None
+    return (spec, rows) if backends.choose(spec) is not None else None
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Options

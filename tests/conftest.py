@@ -13,6 +13,9 @@ from attnkit import plan as plan_module
 from attnkit.backends import fused
 from attnkit.reference import attention_reference
 
+# every replayed call in the tests is checked against the full path's normalised form
+api.CHECK_REPLAYS = True
+
 
 def naive_attention(q, k, v, *, mask=None, bias=None, scale=None, causal=False):
     """Textbook attention done entirely in the inputs' dtype (the 'plain' error baseline)."""

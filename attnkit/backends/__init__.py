@@ -16,6 +16,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Dict, List, Optional
 
+from torch import Tensor
+
 from ..spec import AttentionSpec
 from . import decode, flash, fused, tiled, triton
 from .base import not_supported_reasons
@@ -68,6 +70,41 @@ def select(spec: AttentionSpec, backend: str = "auto") -> ModuleType:
         raise NotImplementedError("no executor can run this call: " + "; ".join(
             f"{name}: {', '.join(why)}" for name, why in explain(spec).items()))
     return mod
+
+
+def with_extra(extra: str, spec: AttentionSpec, backend: str = "auto") -> ModuleType:
+    """The executor for ``spec`` that runs ``extra`` (one of the
+    :attr:`~attnkit.backends.base.Capabilities.extras`, e.g. ``"dp_scale"``): the first
+    executor that declares it and can run the spec, or the forced one, which must declare it
+    (``NotImplementedError`` with the executors that do otherwise)."""
+    having = [name for name in PRIORITY if extra in REGISTRY[name].CAPS.extras]
+    if backend != "auto" and backend in REGISTRY and backend not in having:
+        raise NotImplementedError(f"backend={backend!r} does not run {extra}; "
+                                  f"{' or '.join(having) or 'no executor'} does: pass "
+                                  f"backend='auto' (or one of them)")
+    for name in having if backend == "auto" else [backend]:
+        if not reasons(REGISTRY[name], spec):
+            return REGISTRY[name]
+    return select(spec, having[0] if backend == "auto" and having else backend)
+
+
+def most_query_rows(feature: str) -> Optional[int]:
+    """The most query rows any executor that runs ``feature`` takes (None: no bound, or no
+    executor runs it): a cheap test before a spec is built for it."""
+    bounds = [REGISTRY[name].CAPS.max_query_rows for name in PRIORITY
+              if feature in REGISTRY[name].CAPS.features]
+    return None if not bounds or None in bounds else max(b for b in bounds if b is not None)
+
+
+def dense_probabilities(spec: AttentionSpec, lse: Tensor) -> Tensor:
+    """The pre-dropout softmax weights ``exp(S - lse)`` of ``spec``, dense ``(N, Hq, Lq,
+    Lk)`` (for ``return_weights``)."""
+    return tiled.dense_probabilities(spec, lse)
+
+
+def dp_amax(spec: AttentionSpec, dout: Tensor) -> Tensor:
+    """max ``|dO_i . v_j|`` over the pairs ``spec``'s masks let through (cuDNN's amax_dP)."""
+    return tiled.dp_amax(spec, dout)
 
 
 def explain(spec: AttentionSpec) -> Dict[str, List[str]]:

@@ -47,6 +47,9 @@ class Capabilities:
     devices: FrozenSet[str]
     max_head_dim: Optional[int] = None
     head_dim_multiple: int = 1
+    #: runs Dqk = 0 (an empty q.k: every score 0 before the score terms) and Dv = 0 (an
+    #: empty output); an executor that does not say so is never given them
+    empty_head_dims: bool = False
     max_query_rows: Optional[int] = None  # Lq
     max_rows_per_kv_head: Optional[int] = None  # Lq * Hq / Hkv
     #: the devices ``backend="auto"`` picks it for (None: all of ``devices``); the others
@@ -54,6 +57,14 @@ class Capabilities:
     auto_devices: Optional[FrozenSet[str]] = None
     #: why a feature is not supported, for the error (feature -> reason)
     why: Mapping[str, str] = field(default_factory=dict)
+    #: what it runs beyond the spec's features: ``"dp_scale"`` (dP rounded to fp8 inside the
+    #: backward, :func:`attnkit.attention_backward`), ``"differentiable_backward"`` (its
+    #: backward is torch ops that are themselves differentiable: ``create_graph=True``)
+    extras: FrozenSet[str] = frozenset()
+    #: the executors it hands a call's remaining work to, in order (the first that runs the
+    #: spec), and for what (``fallback_for``): explicit data, not the registry's order
+    fallback: Tuple[str, ...] = ()
+    fallback_for: str = ""
 
 
 class Executor(Protocol):
@@ -82,6 +93,9 @@ def not_supported_reasons(executor: Any, spec: AttentionSpec) -> List[str]:
         reasons.append(f"{caps.name} runs on {', '.join(sorted(caps.devices))}; inputs are on "
                        f"{spec.q.device}")
     dims = (spec.dqk, spec.dv)
+    if not caps.empty_head_dims and 0 in dims:
+        reasons.append(f"{caps.name} needs head dims of at least 1; got Dqk={spec.dqk}, "
+                       f"Dv={spec.dv}")
     if caps.max_head_dim is not None and max(dims) > caps.max_head_dim:
         reasons.append(f"{caps.name} runs head dims up to {caps.max_head_dim}; got Dqk="
                        f"{spec.dqk}, Dv={spec.dv}")

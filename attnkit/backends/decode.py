@@ -52,6 +52,9 @@ CAPS = Capabilities(
          "bias": "the kernel takes no bias tensor", "dropout": "decoding has no dropout",
          "max_scores": "the kernel does not report row maxima",
          "p_scale": "the kernel keeps no probability tile to quantize"},
+    fallback=("tiled",),
+    fallback_for="the forward without the native kernel (a paged cache with its pages "
+                 "gathered), and every backward (from this forward's out and lse)",
 )
 
 
@@ -213,9 +216,9 @@ def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]],
         starts = None
         if seqlens_kv is not None:
             lengths = seqlens_kv
-        elif starts_kv is not None:
-            starts = starts_kv.to(torch.int64)
-            lengths = lk - starts  # (a start past Lk gives a negative length: refused)
+        elif starts_kv is not None:  # (normalised: int64, each in [0, Lk], not all 0)
+            starts = starts_kv
+            lengths = lk - starts
         else:
             lengths = _cached(_FULL_LENGTHS, (n, lk, q.device),
                               lambda: torch.full((n,), lk, dtype=torch.int64))
@@ -257,9 +260,9 @@ def _packed_rows(spec: AttentionSpec) -> Optional[Tuple[Tensor, Tensor, Tensor, 
     rows = int(counts[0])
     if bool((counts != rows).any()):
         return None
-    nseg = int(sk.max()) + 1 if sk.numel() else 0
-    if int(ids.max()) >= max(nseg, 1):
-        return None
+    # every sequence that has queries, with or without keys (a sequence with no keys gives
+    # zero rows: the kernel reads no key for it)
+    nseg = max(int(sk.max()) + 1 if sk.numel() else 0, int(ids.max()) + 1)
     k_counts = torch.bincount(sk, minlength=nseg)
     k_starts = torch.cumsum(k_counts, 0) - k_counts
     starts, lens = k_starts[ids], k_counts[ids]

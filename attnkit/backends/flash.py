@@ -70,6 +70,10 @@ CAPS = Capabilities(
          "p_scale": "the kernel does not quantize the softmax weights",
          "paged_kv": "paged caches are the decode executor's",
          "fp8_kv": "fp8 caches are the decode executor's"},
+    fallback=("fused", "tiled"),
+    fallback_for="the forward of a call with a non-finite input, and the gradients of "
+                 "learnable tensors other than a relative_bias table (from this forward's "
+                 "out and lse)",
 )
 
 #: additive score_mod builtins the kernel evaluates (by their structure's kind)
@@ -135,9 +139,9 @@ class FlashPlan:
 
     def next(self) -> Tuple[ModuleType, Any]:
         if self._next is None:
-            from . import PRIORITY, REGISTRY
+            from . import REGISTRY
 
-            for name in PRIORITY[PRIORITY.index(CAPS.name) + 1:]:
+            for name in CAPS.fallback:
                 mod = REGISTRY[name]
                 auto = mod.CAPS.auto_devices
                 if auto is not None and self.spec.q.device.type not in auto:

@@ -46,6 +46,7 @@ CAPS = Capabilities(
     features=ADDITIVE_TERMS | MASK_TERMS | {"sinks"},
     dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
+    empty_head_dims=True,
     why={"softcap": "not additive; the kernel takes only an additive mask",
          "score_mod": "not additive (not an additive builtin); the kernel takes only an "
                       "additive mask",
@@ -53,6 +54,8 @@ CAPS = Capabilities(
          "dropout_mask": "torch's fused CPU kernel has no dropout",
          "max_scores": "the kernel does not report row maxima",
          "p_scale": "the kernel never holds the softmax weights, so it cannot quantize them"},
+    fallback=("tiled",),
+    fallback_for="backwards that need dS itself (a bias or score_mod gradient, sinks)",
 )
 
 

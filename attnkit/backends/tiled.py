@@ -45,6 +45,8 @@ CAPS = Capabilities(
                                    "p_scale"},
     dtypes=frozenset({torch.float64, torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+    empty_head_dims=True,
+    extras=frozenset({"dp_scale", "differentiable_backward"}),
 )
 
 

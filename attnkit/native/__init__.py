@@ -415,6 +415,10 @@ def decode_reasons(q: Tensor, k_pages: Tensor, v_pages: Tensor, grad_ok: bool = 
     if q.shape[-1] % 16 or v_pages.shape[-1] % 16:
         reasons.append(f"native kernel needs head dims that are multiples of 16; got "
                        f"Dqk={q.shape[-1]}, Dv={v_pages.shape[-1]}")
+    if q.shape[-1] == 0 or v_pages.shape[-1] == 0 or k_pages.dim() < 2 or k_pages.shape[1] == 0:
+        reasons.append(f"native kernel reads head dims >= 16 from pages of at least one "
+                       f"token; got Dqk={q.shape[-1]}, Dv={v_pages.shape[-1]}, pages "
+                       f"{tuple(k_pages.shape)}")
     if q.shape[2] > MAX_QUERY_ROWS:
         reasons.append(f"native kernel is for decoding (Lq <= {MAX_QUERY_ROWS}); Lq={q.shape[2]} "
                        f"is matmul work")
