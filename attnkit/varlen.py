@@ -42,7 +42,8 @@ TAKES = DoorOptions.all_but("varlen_attention", UNSUPPORTED)
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seqlens_kv: Any,
                      max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                      *, return_lse: bool = False, backend: str = "auto",
-                     **options: Any) -> Any:
+                     seqused_kv: Any = None, block_table: Any = None, k_descale: Any = None,
+                     v_descale: Any = None, **options: Any) -> Any:
     """Attention over packed sequences: sequence s holds query tokens
     ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key tokens ``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]``
     and attends only within itself.
@@ -58,7 +59,34 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Any, cu_seql
     :func:`attnkit.attention` but those in :data:`UNSUPPORTED` apply too.
     Zero-length sequences are allowed; no work is spent across sequences beyond the tiles that
     straddle a boundary. ``max_seqlen_*`` are accepted for compatibility and checked.
+
+    Over a paged KV cache (a serving engine's step; FlashAttention's ``seqused_k`` and
+    ``block_table``): ``k`` and ``v`` are pages ``(num_pages, page_size, Hkv, D)``,
+    ``cu_seqlens_kv`` is None, ``block_table (num_seqs, max_pages)`` lists each sequence's
+    pages and ``seqused_kv (num_seqs,)`` how many tokens it holds there, its queries the last
+    of them (append them first); the default is then ``causal=True`` with each sequence's
+    bottom-right diagonal. Decoding rows and prefill chunks mix freely in one call; fp8 pages
+    take ``k_descale``/``v_descale`` as :func:`attnkit.paged_attention_blocks` does. Forward
+    only; the options are those of :data:`attnkit.varlen_pages.TAKES` (see
+    :mod:`attnkit.varlen_pages`).
     """
+    if block_table is not None:
+        from .varlen_pages import varlen_over_pages
+
+        if cu_seqlens_kv is not None:
+            raise ValueError("with block_table, pass cu_seqlens_kv=None: seqused_kv gives each "
+                             "sequence's cached length")
+        if seqused_kv is None:
+            raise ValueError("block_table needs seqused_kv (the number of tokens each sequence "
+                             "holds in its pages, its queries included)")
+        return varlen_over_pages(q, k, v, cu_seqlens_q, seqused_kv, block_table, max_seqlen_q,
+                                 max_seqlen_kv, options, k_descale=k_descale,
+                                 v_descale=v_descale, return_lse=return_lse, backend=backend)
+    for name, x in (("seqused_kv", seqused_kv), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
+        if x is not None:
+            raise NotImplementedError(f"{name} is for a paged cache: pass block_table (and "
+                                      f"k/v as pages), or drop {name}")
     opts = Options.from_kwargs("varlen_attention", options, TAKES)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor) or x.dim() != 3:

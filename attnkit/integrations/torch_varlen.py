@@ -198,6 +198,20 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tens
     seed = int(torch.randint(0, 2 ** 62, ())) if dropout_p > 0 else 0
     opts = _options(is_causal, dropout_p, scale, window_size_left, window_size_right,
                     alibi_slopes, seed)
+    if block_table is not None and cum_seq_q is not None and dropout_p == 0:
+        # packed queries over a paged cache: read in place, as attnkit.varlen_attention does
+        from ..varlen_pages import varlen_over_pages
+
+        if seqused_k is None:
+            raise ValueError("block_table needs seqused_k (the number of tokens each sequence "
+                             "holds in its pages)")
+        kw = {name: getattr(opts, name) for name in ("scale", "causal", "window", "diagonal",
+                                                     "alibi_slopes")}
+        with torch.no_grad():
+            out, lse = varlen_over_pages(query, key, value, cum_seq_q, seqused_k, block_table,
+                                         max_q, max_k, kw, return_lse=True)
+        empty = query.new_empty(0)
+        return out, lse, _rng_state(seed, query.device), empty, empty
     p, qt, kt, vt, _ = _pack(query, key, value, cum_seq_q, cum_seq_k, opts, seqused_k,
                              block_table)
     out, lse, _ = ops.attention_op(qt, kt, vt, p.grad_tensors, p.tensors, _config(p))
