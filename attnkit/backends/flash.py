@@ -10,11 +10,15 @@ into transposed float32 blocks).
 
 The backward is FlashAttention-2's, native as well: items of up to four key blocks (in
 parallel) walk the query blocks that see them, recompute the weights from the forward's
-log-sum-exp, and accumulate dK and dV in L1 and dQ in a buffer per worker; a learnable
-relative table's gradient is summed along the diagonals in the same pass. Other learnable
-tensors take the next executor's backward (the tiled one, which holds dS), called with this
-forward's output and log-sum-exp: the same math, since the backward depends on the forward
-only through ``out`` and ``lse``.
+log-sum-exp, and accumulate dK and dV in L1 and dQ in one of ``torch.get_num_threads()``
+buffers; a learnable relative table's gradient is summed along the diagonals in the same
+pass. Which sums go into which buffer, and in what order, follows from the shapes and the
+thread count alone (not from which thread ran what, or when), so a call's gradients are the
+same bits on every run at one thread count, with or without
+``torch.use_deterministic_algorithms(True)``. Other learnable tensors take the next
+executor's backward (the tiled one, which holds dS), called with this forward's output and
+log-sum-exp: the same math, since the backward depends on the forward only through ``out``
+and ``lse``.
 
 bfloat16 inputs (head dim a multiple of 32, a CPU with AVX512-BF16) compute ``q.k`` and
 ``P V`` in bfloat16 dot products (float32 sums; P rounded to bfloat16 as torch's bfloat16

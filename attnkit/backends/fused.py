@@ -10,7 +10,12 @@ The backward calls the fused backward once per forward piece with the *final* ou
 of the whole row, which is exact (P = exp(S - lse_row) for the piece's keys), and accumulates
 dq, dk, dv; an LSE gradient rides in an extra head column. Learnable bias or score_mod tensors
 need dS itself, which the fused kernel does not expose: those backwards run on the tiled
-executor (same math, same result).
+executor (same math, same result). The gradients are the same bits on every run at one
+thread count (``tests/test_determinism.py``, grouped-query calls included), so
+``torch.use_deterministic_algorithms(True)`` needs no other path: torch's kernel splits its
+work by (batch, head), each part on one thread, and the pieces' shares are added in schedule
+order (items whose keys overlap: per chunk, the chunks summed in order,
+:func:`attnkit.backends.workers.for_each_into`).
 
 This is a private torch API, so it is used only behind a version check; where it is missing,
 :func:`extra_reasons` says so and the tiled executor runs.

@@ -1092,11 +1092,20 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
     dvv = torch.empty(n, a.Hkv, lk, dv, dtype=gd)
     dq_out = dq[0] if gd == torch.float32 else torch.empty(n, hq, lq, d, dtype=gd)
     delta = torch.empty(shape, dtype=torch.float32)
-    drel = (torch.zeros(a.threads, *terms.rel.shape, dtype=torch.float32) if table_grad
-            else None)
+    drel = None
+    if table_grad:  # one sum per kernel unit (dQ buffer, batch row, kv head), added up in order
+        rows = hq // a.Hkv if terms.rel.shape[0] > 1 else 1  # the unit's heads' rows, or one
+        drel = torch.zeros(a.threads, n, a.Hkv, rows, terms.rel.shape[1], dtype=torch.float32)
+
+    def table_grad_sum() -> Optional[Tensor]:
+        if drel is None:
+            return None
+        total = drel.sum((0, 1))  # (Hkv, rows, length)
+        return (total.reshape(terms.rel.shape) if terms.rel.shape[0] > 1
+                else total.sum(0))
+
     if n * hq * lq == 0 or lk == 0:
-        return (dq_out.zero_(), dk.zero_(), dvv.zero_(),
-                None if drel is None else drel.sum(0), delta.zero_())
+        return dq_out.zero_(), dk.zero_(), dvv.zero_(), table_grad_sum(), delta.zero_()
 
     def plain(x: Tensor) -> Tensor:
         x = x.detach()
@@ -1112,7 +1121,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
                     grad_dtype=_DTYPES[gd],  # (written so by the kernel: no conversion op)
                     dq_out=None if gd == torch.float32 else dq_out.data_ptr())
     if drel is not None:
-        g.drel, g.drel_wstride = drel.data_ptr(), drel[0].numel()
+        g.drel, g.drel_wstride = drel.data_ptr(), drel[0, 0, 0].numel()
     a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and do_c.dtype == torch.bfloat16
                     and d % 32 == 0 and dv % 32 == 0 and bool(_state["info"].get("flash_bf16")))
     rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
@@ -1121,7 +1130,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
         raise FlashNonFinite("flash_backward: q, k or v holds a NaN or an infinity")
     if rc != 0:
         raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
-    return dq_out, dk, dvv, (None if drel is None else drel.sum(0)), delta
+    return dq_out, dk, dvv, table_grad_sum(), delta
 
 
 _LOG2E = 1.4426950408889634

@@ -945,12 +945,23 @@ int attnkit_flash_forward(const ak_flash_args *a) {
 
 /* ---- the backward ----------------------------------------------------------------------- */
 
-/* FlashAttention-2's backward, one work item per (batch, kv head, key block): the item keeps
- * its block's dK and dV in L1 and walks the query heads of its group and the query blocks
- * that see the block; per (query block, key block) tile it recomputes P = exp(S - lse) in
- * registers, dP = dO V^T, dS = P (dP - D), and adds dV += P^T dO, dK += dS^T Q and
- * dQ += dS K, the last into a dQ buffer of the worker's own (summed by the caller), so no two
- * threads write one float. */
+/* FlashAttention-2's backward, one item per (batch, kv head, key super-block of up to AK_SB
+ * key blocks): the item keeps its blocks' dK and dV in L1 and walks the query heads of its
+ * group and the query blocks that see them; per (query block, key block) tile it recomputes
+ * P = exp(S - lse) in registers, dP = dO V^T, dS = P (dP - D), and adds dV += P^T dO,
+ * dK += dS^T Q and dQ += dS K, the last into one of P = `threads` dQ buffers (summed at the
+ * end), so no two threads write one float.
+ *
+ * The same bits whatever the threads' timing: the unit a worker takes (dynamically) is
+ * (batch, kv head, buffer p), and it runs that (batch, kv head)'s super-blocks of buffer p,
+ * in ascending order, into dQ buffer p. Super-block s is buffer p's when s mod 2P is p or
+ * 2P - 1 - p (back and forth, so that under causal masking, where the first keys are seen by
+ * the most queries, every buffer gets a like share of the work). Units of one buffer write
+ * the rows of different (batch, kv head)s, units of one (batch, kv head) different buffers,
+ * so each float of a buffer is a sum in a fixed order, and the buffers are summed in their
+ * order. The relative table's gradient is shared by the batch (and, for a table shared by
+ * the heads, by the kv heads), so each unit has a sum of its own for it, which the caller
+ * adds up in order. The worker's index chooses only its scratch workspace. */
 
 typedef struct {
     const void *dout; /* (N, Hq, Lq, dv) contiguous, of dout_dtype */
@@ -959,11 +970,12 @@ typedef struct {
     const float *lse;  /* (N, Hq, Lq) natural log; -inf rows see nothing */
     const float *dlse; /* (N, Hq, Lq) the lse's gradient, or NULL */
     float *delta; /* (N, Hq, Lq), written: rowsum(dO * O) - dlse */
-    float *dq;  /* workers x (N, Hq, Lq, d), zeroed here; on return dQ is the first */
+    float *dq;  /* threads x (N, Hq, Lq, d), zeroed here; on return dQ is the first */
     void *dk;   /* (N, Hkv, Lk, d), of grad_dtype */
     void *dv;   /* (N, Hkv, Lk, dv), of grad_dtype */
-    /* the relative table's gradient, expanded as the table (rel): workers x drel_wstride
-     * floats, zeroed by the caller; NULL when the table needs none */
+    /* the relative table's gradient, expanded as the table (rel), one sum per unit: (threads,
+     * N, Hkv) x drel_wstride floats, each the unit's G heads' rows of the table (its one row
+     * for a table shared by the heads), zeroed by the caller; NULL when none is needed */
     float *drel;
     int64_t drel_wstride;
     /* the gradients' dtype: 0 float32, 1 bfloat16 or 2 float16 (dK and dV rounded to nearest
@@ -1100,12 +1112,14 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
     if (badm) ak_flag_bad(a);
 }
 
-/* One work item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head). Each query
+/* One item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head), on the scratch of
+ * `worker`, adding into dQ buffer `buf` (and into its unit's table gradient). Each query
  * block's rows are loaded once for all of them and its dQ tile added once. With bf16dot the
  * five products run in bfloat16 pairs (P and dS rounded to bfloat16 for them, as torch's
  * bfloat16 backward rounds them); the softmax and dS stay float32. */
 static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
-                        int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker) {
+                        int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker,
+                        int64_t buf) {
     const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
     static const float LOG2E = 1.4426950408889634f;
     const int capped = a->softcap > 0.0f, bf = a->bf16dot;
@@ -1149,7 +1163,7 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
         const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
         const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
         const int64_t nh = n * a->Hq + h;
-        float *dqw = gr->dq + ((int64_t)worker * a->N * a->Hq + nh) * Lq * d;
+        float *dqw = gr->dq + (buf * a->N * a->Hq + nh) * Lq * d;
         for (int64_t qb = 0; qb < nqb; qb++) {
             const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < Lq ? i0 + AK_FM : Lq;
             const int64_t nrows = i1 - i0, groups = (nrows + AK_FR - 1) / AK_FR;
@@ -1164,8 +1178,9 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
             }
             if (!anyb) continue;
             const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
-            float *drel = gr->drel ? gr->drel + (int64_t)worker * gr->drel_wstride +
-                                         h * a->rel_hstride + a->rel_base - i0 : NULL;
+            float *drel = gr->drel ? gr->drel + ((buf * a->N + n) * a->Hkv + hk) *
+                                         gr->drel_wstride + g * a->rel_hstride +
+                                         a->rel_base - i0 : NULL;
             for (int64_t r = 0; r < padded; r++) {
                 if (r < nrows) {
                     const int64_t i = i0 + r;
@@ -1374,22 +1389,30 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     }
 }
 
+/* Takes units (batch, kv head, buffer p) and runs each one's super-blocks in order (see the
+ * comment above ak_flash_grads). */
 static void ak_bwd_worker(void *vctx, int w, int nw) {
     (void)nw;
     ak_bwd_ctx *ctx = vctx;
     const ak_flash_args *a = ctx->a;
     const int64_t nkb = ctx->nkb, sb = ctx->sb, nsb = (nkb + sb - 1) / sb;
-    const int64_t total = a->N * a->Hkv * nsb;
+    const int64_t P = a->threads, total = a->N * a->Hkv * P;
     int64_t t0, t1;
     while (ak_next_block(&ctx->next, 1, total, &t0, &t1)) {
-        const int64_t s0 = t0 % nsb, nh = t0 / nsb;
-        const int64_t kb0 = s0 * sb, kb1 = kb0 + sb < nkb ? kb0 + sb : nkb;
-        ak_bwd_item(a, ctx->g, ctx->nqb, nh / a->Hkv, nh % a->Hkv, kb0, kb1, w);
+        const int64_t p = t0 % P, nh = t0 / P;
+        for (int64_t round = 0; round < nsb; round += 2 * P)
+            for (int half = 0; half < 2; half++) {
+                const int64_t s = round + (half ? 2 * P - 1 - p : p);
+                if (s >= nsb) break;
+                const int64_t kb0 = s * sb, kb1 = kb0 + sb < nkb ? kb0 + sb : nkb;
+                ak_bwd_item(a, ctx->g, ctx->nqb, nh / a->Hkv, nh % a->Hkv, kb0, kb1, w, p);
+            }
     }
 }
 
 /* Rows [r0, r1) of (N, Hq, Lq): delta and zeroed dQ buffers (phase 0), or the dQ buffers
- * summed into the first (phase 1), and written in grad_dtype to dq_out where one is asked. */
+ * summed into the first in their order (phase 1), and written in grad_dtype to dq_out where
+ * one is asked. */
 typedef struct {
     const ak_flash_args *a;
     const ak_flash_grads *g;
@@ -1458,7 +1481,9 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     ak_rows_ctx rc0 = {a, g, 0, 0};
     ak_team_run(ak_rows_worker, &rc0, a->threads);
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
-    /* items of up to AK_SB key blocks, while that leaves 8 items a worker */
+    /* super-blocks of up to AK_SB key blocks, halved while there are fewer than 8 a worker:
+     * with few (batch, kv head)s (few units) each then has enough for its buffers to get like
+     * shares of its work; with many, the units themselves balance the workers (sb AK_SB) */
     int64_t sb = AK_SB;
     while (sb > 1 && a->N * a->Hkv * ((nkb + sb - 1) / sb) < 8 * (int64_t)a->threads) sb /= 2;
     ak_bwd_ctx bc = {a, g, nkb, (a->Lq + AK_FM - 1) / AK_FM, sb, 0};
