@@ -22,7 +22,8 @@ DESCRIPTION = (
 NATIVE_SLOWDOWN = ("decoding over a KV cache runs in torch ops instead, up to ~16x slower "
                    "(measured on 2 cores: paged decode B=4, 2k tokens, float32 5.1 -> 81 ms; "
                    "B=8, 8k tokens, bfloat16 28 -> 82 ms; contiguous-cache decode B=8, 8k "
-                   "tokens, bfloat16 30 -> 221 ms)")
+                   "tokens, bfloat16 30 -> 221 ms); and training and prefill lose the flash "
+                   "kernel, 1.7-2.7x slower on torch's fused kernel or the tiled executor")
 """What losing the native kernels costs, for the warning of ``attnkit check``."""
 
 

@@ -66,7 +66,7 @@ def test_bottom_right_rows_catch_a_top_left_diagonal(monkeypatch):
 def test_check_command_exit_status(capsys):
     assert cli.main(["check", "--dtype", "float32"]) == 0
     shown = capsys.readouterr().out
-    assert "paged decode" in shown and "native decode kernel" in shown
+    assert "paged decode" in shown and "native kernels" in shown
     assert "45 x 77" in shown  # the bottom-right rows' shape is shown
     assert cli.main(["check", "--dtype", "float8"]) == 2
 
@@ -80,7 +80,7 @@ def test_check_warns_when_native_kernels_are_unavailable(monkeypatch, capsys):
         assert "warning" not in capsys.readouterr().err
     monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(native, "unavailable_reason", lambda: reason)
-    monkeypatch.setattr(native, "describe", lambda: f"native decode kernel: unavailable ({reason})")
+    monkeypatch.setattr(native, "describe", lambda: f"native kernels: unavailable ({reason})")
     assert cli.main(["check", "--dtype", "float32"]) == 0  # still a passing check
     captured = capsys.readouterr()
     assert "(torch)" in captured.out  # the decode rows ran on the torch path

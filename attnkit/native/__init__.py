@@ -18,6 +18,8 @@ fp8 casts run one element at a time).
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
 times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
 ``cap * tanh`` pass and its gradient, one sweep each (``vecmath.h``: the shared exp/tanh).
+``peak.c`` measures what the cores and the memory can do at most (multiply-adds, the
+bfloat16 dot product, a copy), the limits :mod:`attnkit.bench.limits` reports.
 Decoding and softcap share one thread pool (``pool.c``): threads started on the first call
 that wants them and parked between calls (no thread is started per call); each call runs on
 at most ``torch.get_num_threads()`` threads, read at that call, and on the caller alone when
@@ -25,26 +27,32 @@ it is too small to repay waking a thread. A call from a second Python thread whi
 is busy runs on its own thread; a forked child starts a pool of its own. See
 :func:`pool_stats`.
 
-All are built on first use, into one library, with the system C compiler (``$CC``, else
-``cc``/``gcc``/``clang``) into a cache folder (``$ATTNKIT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``; where that cannot be written, a private
-``attnkit-<uid>`` folder in the temporary directory), keyed by the sources, the compiler, the
-flags and this CPU, and loaded with :mod:`ctypes` (calls release the GIL). Without a compiler,
-or with ``ATTNKIT_NATIVE=0``, :func:`available` is False, :func:`unavailable_reason` says why
-and attnkit runs the same computations in torch ops instead; unless ``ATTNKIT_NATIVE=0`` chose
+All are one library, loaded with :mod:`ctypes` (calls release the GIL) on first use. A wheel
+carries it prebuilt for four x86-64 levels (:mod:`attnkit.native.build`: AVX2, AVX-512,
+AVX-512 with BF16 and VBMI, and with FP16 too), and the loader takes the best one whose
+instructions this CPU reports. Otherwise (a source install, another CPU, or
+``ATTNKIT_NATIVE_BUILD=native``: tuned for this CPU) it is built on first use with
+``-march=native`` by the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) into a
+cache folder (``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit`` or
+``~/.cache/attnkit``; where that cannot be written, a private ``attnkit-<uid>`` folder in the
+temporary directory), keyed by the sources, the compiler, the flags and this CPU.
+:func:`build_info` and :func:`describe` say which. Without either, or with
+``ATTNKIT_NATIVE=0``, :func:`available` is False, :func:`unavailable_reason` says why and
+attnkit runs the same computations in torch ops instead; unless ``ATTNKIT_NATIVE=0`` chose
 that, one :class:`NativeKernelWarning` says why and what it costs. ``ATTNKIT_NATIVE_AVX512=0``
-builds for this CPU without its AVX-512 instructions (the AVX2 paths a CPU without AVX-512
-takes; the flash kernel then runs on 256-bit registers, ``build_info()["flash_bits"]``).
+loads the AVX2 variant, or builds for this CPU without its AVX-512 instructions (the AVX2
+paths a CPU without AVX-512 takes; the flash kernel then runs on 256-bit registers,
+``build_info()["flash_bits"]``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import math
 import os
 import platform
-import shutil
 import stat
 import subprocess
 import sys
@@ -54,23 +62,23 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from . import build as _build
+
 __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "paged_decode",
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
-           "FlashForward", "flash_prepare", "FlashNonFinite", "FLASH_BLOCK", "pool_stats",
-           "MAX_QUERY_ROWS", "NativeKernelWarning"]
+           "FlashForward", "FlashPages", "flash_prepare", "FlashNonFinite", "FLASH_BLOCK",
+           "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning"]
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "decode.c", _HERE / "philox.c", _HERE / "softcap.c", _HERE / "terms.c",
-            _HERE / "flash.c", _HERE / "pool.c")
-_HEADERS = (_HERE / "vecmath.h", _HERE / "pool.h", _HERE / "avx2_as_512.h")
+# the sources, headers and flags: one list in build.py, which setup.py reads for the wheel
+_SOURCES, _HEADERS, _FLAGS = _build.SOURCES, _build.HEADERS, _build.FLAGS
 _ABI = 15  # AK_ABI in decode.c
-_FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: fp8 pages, read with per-(page, kv head) descales and converted in registers
@@ -82,9 +90,12 @@ _state: dict = {}  # "lib", "reason", "info" once loading was tried
 #: What running without the kernels costs: examples/decode_paths.py's decoding step (B=8,
 #: ~8k-token contexts, Hq=32, Hkv=8, d=128) against ATTNKIT_NATIVE=0, best of 7 runs on a
 #: 2-core AVX-512 CPU.
+#: Training and prefill without the flash kernel: the figures of issue 36 (the flash executor
+#: against torch's fused kernel and the tiled executor, which `auto` runs without it).
 SLOWDOWN = ("decoding runs in torch ops instead: about 3x slower over a paged cache, 2.5x over "
             "packed (varlen) sequences and 5x over a padded cache in bfloat16, and 16x over a "
-            "paged cache in float32")
+            "paged cache in float32; and training and prefill lose the flash kernel: 1.7-2.7x "
+            "slower on torch's fused kernel or the tiled executor")
 
 
 class NativeKernelWarning(RuntimeWarning):
@@ -162,14 +173,7 @@ def _cpu_signature() -> str:
 
 
 def _compiler() -> Optional[str]:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc) or (cc if os.path.isfile(cc) else None)
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    return _build.compiler()
 
 
 def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
@@ -179,7 +183,7 @@ def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
     except OSError as exc:
         return f"cannot write in the kernel cache folder {out.parent}: {exc}"
     os.close(fd)
-    cmd = [cc, *_FLAGS, *extra, *(str(src) for src in _SOURCES), "-o", tmp, "-lm", "-lpthread"]
+    cmd = _build.compile_command(cc, tmp, extra)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -197,18 +201,81 @@ def _compile(cc: str, out: Path, extra: Tuple[str, ...]) -> Optional[str]:
     return None
 
 
-def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
-    if _disabled():
-        return None, "disabled by ATTNKIT_NATIVE=0", {}
+#: ATTNKIT_NATIVE_BUILD: where the kernels come from (see _libraries)
+_BUILD_MODES = {"prebuilt": "load the variant this package carries for this CPU, else compile "
+                            "at first use (the default)",
+                "native": "compile for this CPU with -march=native at first use, into the "
+                          "kernel cache folder"}
+
+
+def _build_mode() -> str:
+    given = os.environ.get("ATTNKIT_NATIVE_BUILD", "")
+    mode = given.strip().lower() or "prebuilt"
+    if mode not in _BUILD_MODES:
+        raise ValueError(
+            f"ATTNKIT_NATIVE_BUILD={given!r}; expected one of "
+            + "; ".join(f"{k!r} ({v})" for k, v in _BUILD_MODES.items())
+            + ". Fix it, or unset it for the default")
+    return mode
+
+
+def _prebuilt(source: bytes) -> Tuple[List[Tuple[Path, dict]], str]:
+    """The prebuilt libraries of the best variant this CPU runs (build.choose_variant), with
+    OpenMP first; or none, and why."""
+    folder = _build.PREBUILT_DIR
+    try:
+        manifest = json.loads((folder / _build.MANIFEST).read_text())
+    except FileNotFoundError:
+        return [], "this install carries no prebuilt kernels (a source install)"
+    except (OSError, ValueError) as exc:
+        return [], f"cannot read the prebuilt kernels' list: {exc}"
+    if manifest.get("sources") != _build.source_digest(source):
+        return [], f"the prebuilt kernels in {folder} were built from other sources than these"
+    libraries = manifest.get("libraries", [])
+    offered = [e["variant"] for e in libraries]
+    flags, avx512 = _build.cpu_flags(), _avx512_allowed()
+    variant = _build.choose_variant(flags, avx512=avx512, offered=offered)
+    if variant is None:
+        return [], "no prebuilt variant fits: " + _build.no_variant_reason(flags, avx512, offered)
+    mine = sorted((e for e in libraries if e["variant"] == variant.name),
+                  key=lambda e: not e["openmp"])
+    return [(folder / e["file"], e) for e in mine], ""
+
+
+def _libraries(source: bytes, info: dict) -> Iterator[Union[Path, str]]:
+    """The libraries to load, best first, each described in ``info`` when it is yielded; a
+    str says why nothing further can be tried.
+
+    By default (``ATTNKIT_NATIVE_BUILD=prebuilt``) the best prebuilt variant for this CPU
+    (``ATTNKIT_NATIVE_AVX512=0``: the AVX2 one), with OpenMP and then without it (a process
+    without libgomp), then a library built here for this CPU; ``ATTNKIT_NATIVE_BUILD=native``
+    skips the prebuilt ones. Prebuilt wins by default: no compiler and no build in the first
+    call, and the same code paths, which the sources choose by the instruction sets that the
+    best variant has; -march=native adds only the compiler's tuning for this CPU model."""
+    why = "ATTNKIT_NATIVE_BUILD=native rules out the prebuilt ones (unset it to load them)"
+    if _build_mode() == "prebuilt":
+        found, why = _prebuilt(source)
+        for path, entry in found:
+            info.update(origin="prebuilt", variant=entry["variant"], path=str(path),
+                        folder=str(path.parent), flags=entry["flags"], cached=False,
+                        openmp=entry["openmp"])
+            yield path
+        if found:  # none of them loads
+            why = f"the prebuilt kernels do not load ({info.get('prebuilt_error')})"
+        info.clear()
+    info["prebuilt_unused"] = why
     cc = _compiler()
     if cc is None:
-        return None, ("no C compiler found (set CC, or install cc/gcc/clang) to build the "
-                      "native decode kernel"), {}
-    try:
-        source = b"\0".join(src.read_bytes() for src in _SOURCES + _HEADERS)
-    except OSError as exc:
-        return None, f"cannot read the kernel sources: {exc}", {}
-    info: dict = {"compiler": cc}
+        yield ("no C compiler found (set CC, or install cc/gcc/clang) to build the native "
+               f"kernels; {why}")
+        return
+    info.update(compiler=cc, origin="built here", variant="native")
+    yield from _built_here(cc, source, info)
+
+
+def _built_here(cc: str, source: bytes, info: dict) -> Iterator[Union[Path, str]]:
+    """Libraries built for this CPU (or found built before) in the kernel cache folder: with
+    -march=native and OpenMP, without OpenMP, without -march=native; then why none was."""
     cache, temp = _cache_dir(), _temp_dir()
     folders = [cache] if temp == cache else [cache, temp]
     unusable: dict = {}  # folder -> why no library can be built in it
@@ -235,8 +302,9 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
                     unusable[folder] = why
             else:
                 where = "; nor in the temporary folder: " if len(folders) > 1 else ""
-                return None, ("cannot build the native kernels in the kernel cache folder: "
-                              + where.join(unusable[f] for f in folders)), info
+                yield ("cannot build the native kernels in the kernel cache folder: "
+                       + where.join(unusable[f] for f in folders))
+                return
         info.update(path=str(path), folder=str(path.parent), flags=" ".join(_FLAGS + extra),
                     cached=cached)
         if path.parent != cache:
@@ -248,9 +316,27 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
             if err is not None:
                 info["error"] = err
                 continue  # retry without -march=native (a compiler that lacks it)
+        yield path
+    yield f"building the native decode kernel failed: {info.get('error')}"
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
+    if _disabled():
+        return None, "disabled by ATTNKIT_NATIVE=0", {}
+    try:
+        source = b"\0".join(src.read_bytes() for src in _SOURCES + _HEADERS)
+    except OSError as exc:
+        return None, f"cannot read the kernel sources: {exc}", {}
+    info: dict = {}
+    for path in _libraries(source, info):
+        if isinstance(path, str):  # why nothing (further) can be loaded
+            return None, path, info
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as exc:
+            if info.get("origin") == "prebuilt":  # the next one (without OpenMP), say
+                info["prebuilt_error"] = f"cannot load {path}: {exc}"
+                continue
             return None, f"cannot load {path}: {exc}", info
         if lib.attnkit_native_abi() != _ABI:
             return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
@@ -275,6 +361,12 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         lib.attnkit_pool_stats.restype = None
         lib.attnkit_pool_check.argtypes = [i64, i32, i64]  # the pool's self-check (tests)
         lib.attnkit_pool_check.restype = i64
+        lib.attnkit_peak_fma.argtypes = [i64, i32, f32, f32, p]  # the bench's limits (peak.c)
+        lib.attnkit_peak_fma.restype = ctypes.c_double
+        lib.attnkit_peak_dpbf16.argtypes = [i64, i32, ctypes.c_uint16, p]
+        lib.attnkit_peak_dpbf16.restype = ctypes.c_double
+        lib.attnkit_peak_copy.argtypes = [p, p, i64, i32]
+        lib.attnkit_peak_copy.restype = None
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
@@ -298,7 +390,7 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
                           f"{lib.attnkit_flash_args_size()} bytes, expected "
                           f"{ctypes.sizeof(_FlashArgs)}"), info
         return lib, None, info
-    return None, f"building the native decode kernel failed: {info.get('error')}", info
+    return None, "no native library to load", info  # not reached: _libraries ends with why
 
 
 def _openmp_runtimes() -> Optional[set]:
@@ -368,8 +460,14 @@ def unavailable_reason() -> Optional[str]:
 
 
 def build_info() -> dict:
-    """Compiler, flags, library path and its folder (``cache_folder_unusable`` says why, when
-    that is the temporary one), whether it came from the cache, build seconds."""
+    """Where the loaded library came from and what it can do.
+
+    ``origin`` is ``"prebuilt"`` (``variant``: the prebuilt variant, see
+    :mod:`attnkit.native.build`) or ``"built here"`` (``variant`` ``"native"``; ``compiler``,
+    ``cached``: found in the cache folder, else ``build_s`` seconds; ``prebuilt_unused``: why
+    no prebuilt variant was loaded; ``cache_folder_unusable``: why the folder is the
+    temporary one); ``flags``, ``path``, ``folder``; then the kernels' capabilities
+    (``flash_bits``, ``flash_bf16``, ``bf16_dot``, ``fp8_dot``, ``h16``, ``f16``, ``team``)."""
     _lib()
     return dict(_state["info"])
 
@@ -796,7 +894,8 @@ class _FlashArgs(ctypes.Structure):
                 ("threads", _I32), ("bf16dot", _I32), ("out_dtype", _I32), ("bad", _P),
                 ("dropout", _I32), ("drop_threshold", ctypes.c_uint32),
                 ("drop_offset", ctypes.c_uint32), ("drop_seed", ctypes.c_uint64),
-                ("drop_scale", _F32)]
+                ("drop_scale", _F32), ("table", _P), ("table_w", _I64), ("page", _I64),
+                ("kv_len", _P), ("mx", _P)]
 
 
 class _FlashGrads(ctypes.Structure):
@@ -852,23 +951,83 @@ class FlashTerms:
     dropout: Optional[Tuple[float, int, int]] = None
 
 
-def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, backward: bool
-                ) -> Tuple[_FlashArgs, List[Any]]:
+@dataclass
+class FlashPages:
+    """Keys and values read in place from pages through a block table (the flash forward
+    only; FlashAttention's ``block_table`` layout): the ``k`` and ``v`` of the call are then the
+    pages ``(P, page, Hkv, D)`` and ``(P, page, Hkv, Dv)``, ``block_table (N, W)`` lists batch
+    row b's pages in order (key j in slot ``j % page`` of page ``block_table[b, j // page]``)
+    and ``lengths (N,)`` its keys, at most ``W * page``. The call's ``Lk`` is ``W * page`` (the
+    gathered shape: the terms are made for it); entries past a row's pages are never read."""
+
+    block_table: Tensor
+    lengths: Tensor
+
+
+def _page_table(pages: FlashPages, n: int, num_pages: int, page: int) -> Tuple[Tensor, Tensor]:
+    """The block table and lengths as contiguous int64, checked: the kernel reads memory
+    through every entry a row's length uses."""
+    table, lens = pages.block_table, pages.lengths
+    for name, x, shape in (("block_table", table, f"({n}, W)"), ("lengths", lens, f"({n},)")):
+        if not isinstance(x, Tensor) or x.dtype.is_floating_point or x.dtype == torch.bool or (
+                x.dim() != (2 if name == "block_table" else 1) or x.shape[0] != n):
+            raise ValueError(f"flash: pages.{name} must be an integer tensor {shape} (one row "
+                             f"per batch row of q); got "
+                             f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    width = table.shape[1]
+    table, lens = table.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    if n and (int(lens.min()) < 0 or int(lens.max()) > width * page):
+        raise ValueError(f"flash: pages.lengths must lie in [0, W * page] = [0, {width * page}]; "
+                         f"got values in [{int(lens.min())}, {int(lens.max())}] (a longer row "
+                         f"needs more block_table columns)")
+    used = torch.arange(width) < (-(-lens // page)).view(-1, 1)
+    wrong = used & ((table < 0) | (table >= num_pages))
+    if bool(wrong.any()):
+        b, c = (int(i) for i in wrong.nonzero()[0])
+        raise ValueError(f"flash: pages.block_table[{b}, {c}] = {int(table[b, c])} is not a page "
+                         f"index in [0, {num_pages}) but row {b}'s {int(lens[b])} keys use it; "
+                         f"list the row's pages there")
+    return table, lens
+
+
+def _kv_form(n: int, d: int, k: Tensor, v: Tensor, pages: Optional[FlashPages]
+             ) -> Tuple[int, int, int]:
+    """``(Hkv, Lk, Dv)`` of k and v, checked against q's batch rows ``n`` and head dim ``d``:
+    ``(N, Hkv, Lk, D)`` and ``(N, Hkv, Lk, Dv)``, or with ``pages`` the pages ``(P, page, Hkv,
+    D)`` and ``(P, page, Hkv, Dv)`` (``Lk = W * page``)."""
+    fits = k.dim() == 4 and v.dim() == 4 and v.shape[:3] == k.shape[:3] and k.shape[3] == d
+    if pages is None:
+        if not fits or k.shape[0] != n:
+            raise ValueError(f"flash: shapes k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                             f"(N, Hkv, Lk, D), (N, Hkv, Lk, Dv) with q's N = {n}, D = {d}")
+        return k.shape[1], k.shape[2], v.shape[3]
+    if not fits:
+        raise ValueError(f"flash: pages k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         f"(P, page, Hkv, D), (P, page, Hkv, Dv) with q's D = {d}")
+    return k.shape[2], pages.block_table.shape[-1] * k.shape[1], v.shape[3]
+
+
+def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, backward: bool,
+                pages: Optional[FlashPages] = None) -> Tuple[_FlashArgs, List[Any]]:
     """The kernel's argument block for these inputs and terms (validated), and the tensors it
     points into: ``q, k, v`` (unit stride along the head dim; copies where they were not)
     first, then the terms' (kept alive by the caller until the call returns). The workspace
-    is the caller's (:func:`_workspace`)."""
-    n, hq, lq, d = q.shape
-    hkv, lk, dv = k.shape[1], k.shape[2], v.shape[3]
+    is the caller's (:func:`_workspace`). ``pages``: k and v are pages read through its block
+    table (the forward only)."""
     dtype = _DTYPES.get(q.dtype)
     if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"flash: q, k and v must share one dtype of float32, bfloat16 "
                         f"or float16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[0] != n
-            or v.shape[:3] != k.shape[:3] or k.shape[3] != d or hkv == 0 or hq % hkv):
-        raise ValueError(f"flash: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-                         f"{tuple(v.shape)} do not fit (N, Hq, Lq, D), (N, Hkv, Lk, D), "
-                         f"(N, Hkv, Lk, Dv) with Hq a multiple of Hkv")
+    if q.dim() != 4:
+        raise ValueError(f"flash: q must be (N, Hq, Lq, D); got {tuple(q.shape)}")
+    n, hq, lq, d = q.shape
+    hkv, lk, dv = _kv_form(n, d, k, v, pages)
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"flash: q has {hq} heads and k {hkv}; Hq must be a multiple of Hkv "
+                         f"(grouped-query attention)")
+    if pages is not None and backward:
+        raise ValueError("flash: the backward reads contiguous K/V; gather the pages first "
+                         "(attnkit.gather_kv)")
     if d % 16 or dv % 16 or not 0 < max(d, dv) <= _FLASH_MAX_DIM or min(d, dv) <= 0:
         raise ValueError(f"flash: head dims must be multiples of 16 up to "
                          f"{_FLASH_MAX_DIM}; got D={d}, Dv={dv}")
@@ -876,6 +1035,9 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
         raise ValueError("flash runs on CPU tensors")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     threads = max(1, min(torch.get_num_threads(), 64))
+    table = lens = None
+    if pages is not None:
+        table, lens = _page_table(pages, n, k.shape[0], k.shape[1])
     nkb = -(-lk // FLASH_BLOCK)
     lo32, lo_bs = _rows_i32(t.lo, n, lq, "lo")
     hi32, _ = _rows_i32(t.hi, n, lq, "hi")
@@ -887,8 +1049,14 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
                    Hkv=hkv, Lq=lq, Lk=lk, d=d, dv=dv, scale=float(scale), lo=lo32.data_ptr(),
                    hi=hi32.data_ptr(), bounds_bstride=lo_bs, softcap=float(t.softcap),
                    threads=threads)
-    for name, x in (("qs", q), ("ks", k), ("vs", v)):
-        getattr(a, name)[:] = [x.stride(0), x.stride(1), x.stride(2)]
+    a.qs[:] = [q.stride(0), q.stride(1), q.stride(2)]
+    for name, x in (("ks", k), ("vs", v)):  # (batch row | page, head, key | slot)
+        dims = (0, 1, 2) if pages is None else (0, 2, 1)
+        getattr(a, name)[:] = [x.stride(i) for i in dims]
+    if table is not None:
+        a.table, a.table_w, a.page, a.kv_len = (table.data_ptr(), table.shape[1], k.shape[1],
+                                                lens.data_ptr())
+        keep += [table, lens]
     if t.segments is not None:
         sq, sq_bs = _rows_i32(t.segments[0], n, lq, "segments[0]")
         sk, sk_bs = _rows_i32(t.segments[1], n, lk + FLASH_BLOCK, "segments[1]")
@@ -954,20 +1122,24 @@ class FlashForward:
     """:func:`flash_forward` prepared for one form of call: the shapes, strides and dtypes of
     ``q, k, v`` and the terms, checked and packed once. :meth:`run` takes tensors of that form
     (:meth:`fits` says whether they are) and only allocates and launches, which is what a
-    call that recurs (the same shapes, step after step) needs. It holds the terms' tensors,
-    never the inputs."""
+    call that recurs (the same shapes, step after step) needs. It holds the terms' tensors
+    (and with ``pages`` the block table and lengths), never the inputs."""
 
-    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms):
-        a, keep = _flash_args(q, k, v, scale, terms, backward=False)
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
+                 pages: Optional[FlashPages] = None):
+        a, keep = _flash_args(q, k, v, scale, terms, backward=False, pages=pages)
         self.lib = _lib()
         self.terms = terms
+        self.pages = pages
         self.form = tuple((x.shape, x.stride()) for x in keep[:3])
         self.dtype = q.dtype
         self._keep = keep[3:]
         self._args = a  # a template: every call fills in its own pointers on a copy
         nkb = -(-a.Lk // FLASH_BLOCK)
         self._kt = a.N * a.Hkv * nkb * a.d * FLASH_BLOCK
-        self._vf = 0 if q.dtype == torch.float32 else a.N * a.Hkv * a.Lk * a.dv
+        # (values from pages are always packed: a block of them is no one strided run)
+        plain = q.dtype == torch.float32 and pages is None
+        self._vf = 0 if plain else a.N * a.Hkv * a.Lk * a.dv
         self._bf16 = (q.dtype == torch.bfloat16 and a.d % 32 == 0
                       and bool(_state["info"].get("flash_bf16")))
 
@@ -984,6 +1156,9 @@ class FlashForward:
     def backward_args(self, q: Tensor, k: Tensor, v: Tensor) -> _FlashArgs:
         """The argument block of :func:`flash_backward` for tensors that :meth:`fits` (the
         backward reads no sinks: their gradient is the caller's)."""
+        if self.pages is not None:
+            raise ValueError("flash_backward: the backward reads contiguous K/V; gather the "
+                             "pages first (attnkit.gather_kv)")
         a = self._args_for(q, k, v)
         a.sinks = None
         return a
@@ -994,16 +1169,28 @@ class FlashForward:
         a.q, a.k, a.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
         return a
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    def run(self, q: Tensor, k: Tensor, v: Tensor, max_scores: Optional[Tensor] = None
+            ) -> Tuple[Tensor, Tensor]:
         """``(out, lse)`` for tensors that :meth:`fits`; raises :class:`FlashNonFinite` when
-        an input is not finite."""
+        an input is not finite. ``max_scores``: a contiguous float32 ``(N, Hq, Lq)`` tensor
+        that gets each row's largest score (after every term, natural units; -inf for a row
+        that sees no key)."""
         a = self._args_for(q, k, v)
         n, hq, lq, lk, dv = a.N, a.Hq, a.Lq, a.Lk, a.dv
+        if max_scores is not None:
+            if (tuple(max_scores.shape) != (n, hq, lq) or max_scores.dtype != torch.float32
+                    or not max_scores.is_contiguous() or not max_scores.is_cpu):
+                raise ValueError(f"flash_forward: max_scores must be a contiguous float32 CPU "
+                                 f"tensor {(n, hq, lq)}; got {tuple(max_scores.shape)} "
+                                 f"{max_scores.dtype}")
+            a.mx = max_scores.data_ptr()
         out = torch.empty(n, hq, lq, dv, dtype=self.dtype)
         lse = torch.empty(n, hq, lq, dtype=torch.float32)
         if n * hq * lq == 0:
             return out, lse
         if lk == 0:
+            if max_scores is not None:
+                max_scores.fill_(float("-inf"))
             return out.zero_(), lse.fill_(float("-inf"))
         keep = _workspace(a, backward=False)
         kt = torch.empty(self._kt, dtype=torch.float32)
@@ -1020,7 +1207,8 @@ class FlashForward:
         return out, lse
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
+                  pages: Optional[FlashPages] = None, max_scores: Optional[Tensor] = None
                   ) -> Optional[Tuple[Tensor, Tensor]]:
     """FlashAttention forward in float32 arithmetic with ``terms`` (:class:`FlashTerms`)
     evaluated in registers (``flash.c``): returns ``out (N, Hq, Lq, Dv)`` and the natural-log
@@ -1030,10 +1218,12 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTer
     ``q (N, Hq, Lq, D)``, ``k (N, Hkv, Lk, D)``, ``v (N, Hkv, Lk, Dv)``: one dtype of float32,
     bfloat16 or float16, unit stride along the head dim, D and Dv multiples of 16 up to 256,
     Hq a multiple of Hkv. ``out`` comes in q's dtype. A row that sees no key (and has no sink)
-    gets out 0 and lse -inf. Raises :class:`FlashNonFinite` when an input is not finite."""
+    gets out 0 and lse -inf. Raises :class:`FlashNonFinite` when an input is not finite.
+    ``pages`` (:class:`FlashPages`): k and v are pages read in place through its block table;
+    ``max_scores``: see :meth:`FlashForward.run`."""
     q, k, v = _unit_stride(q, k, v)
-    call = flash_prepare(q, k, v, scale, terms)
-    return None if call is None else call.run(q, k, v)
+    call = flash_prepare(q, k, v, scale, terms, pages)
+    return None if call is None else call.run(q, k, v, max_scores)
 
 
 def _unit_stride(*xs: Tensor) -> Tuple[Tensor, ...]:
@@ -1041,14 +1231,15 @@ def _unit_stride(*xs: Tensor) -> Tuple[Tensor, ...]:
     return tuple(x if x.dim() != 4 or x.stride(-1) == 1 else x.contiguous() for x in xs)
 
 
-def flash_prepare(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms
-                  ) -> Optional[FlashForward]:
+def flash_prepare(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
+                  pages: Optional[FlashPages] = None) -> Optional[FlashForward]:
     """:func:`flash_forward`'s call for the form of ``q, k, v`` (checked as it checks them),
     to run on tensors of that form (their unit-stride versions: ``x.contiguous()`` where the
-    head dim's stride is not 1), or None when the kernel is unavailable."""
+    head dim's stride is not 1), or None when the kernel is unavailable. With ``pages``, k and
+    v are the pages (:class:`FlashPages`)."""
     if not _flash_ready():
         return None
-    return FlashForward(*_unit_stride(q, k, v), scale, terms)
+    return FlashForward(*_unit_stride(q, k, v), scale, terms, pages)
 
 
 def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
@@ -1170,10 +1361,12 @@ def _team_tune(late_ns: int = -1, hold_ns: int = -1) -> None:
 def describe() -> str:
     """A one-line status for ``attnkit check`` and the benchmark notes."""
     if not available():
-        return f"native decode kernel: unavailable ({unavailable_reason()})"
+        return f"native kernels: unavailable ({unavailable_reason()})"
     info = build_info()
+    if info.get("origin") == "prebuilt":
+        return f"native kernels: prebuilt {info.get('variant')} ({info.get('flags')})"
     how = "cached" if info.get("cached") else f"built in {info.get('build_s', 0.0):.1f} s"
     where = ""
     if "cache_folder_unusable" in info:
         where = f"; in {info['folder']}: {info['cache_folder_unusable']}"
-    return f"native decode kernel: {how} ({info.get('flags')}){where}"
+    return f"native kernels: built here, {how} ({info.get('flags')}){where}"
