@@ -426,10 +426,12 @@ def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable],
     :data:`UNSUPPORTED`. How it runs (``backend="auto"``): the decode executor reads the pages
     in place through the block table (:mod:`attnkit.backends.decode`: the native kernel, or
     page-by-page matmuls without it) when it can run the call (up to 16 query rows, analytic
-    masks, no gradients); everything else gathers the pages into contiguous K/V and runs
-    :func:`attnkit.attention` (differentiable). ``backend="decode"`` forces the in-place path
-    (``NotImplementedError`` with the reasons when it cannot run); ``"fused"``/``"tiled"``
-    gather and force that executor."""
+    masks, no gradients); longer query blocks run on the flash kernel, which reads the pages
+    in place as well (:mod:`attnkit.backends.flash`: float32/bfloat16/float16 pages, its
+    terms, no gradients); everything else gathers the pages into contiguous K/V and runs
+    :func:`attnkit.attention` (differentiable). ``backend="decode"`` or ``"flash"`` forces that
+    in-place path (``NotImplementedError`` with the reasons when it cannot run);
+    ``"fused"``/``"tiled"`` gather and force that executor."""
     block_table, seqlens = cache.block_table(seq_ids)
     return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
                                   k_descale=cache.k_descale, v_descale=cache.v_descale,
@@ -446,7 +448,7 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     (``(num_pages, Hkv)``, ``(Hkv,)`` or a number; see :mod:`attnkit.pages`); q is then a
     float tensor (float32, bfloat16 or float16) and the output has its dtype."""
     from . import backends
-    from .api import _execute, attention
+    from .api import _execute, _finish, attention
 
     options = {"causal": True, "diagonal": "bottom_right", **options}
     opts = Options.from_kwargs("paged_attention", options, TAKES)
@@ -479,13 +481,14 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if lens.numel() and int(lens.min()) < q.shape[2]:
         raise ValueError(f"every sequence must already hold the {q.shape[2]} query tokens "
                          f"(append them first); shortest has {int(lens.min())}")
-    if backend in ("auto", "decode"):
+    if backend in ("auto", "decode", "flash"):
         # the keys and values stay in their pages: the spec sees zero-stride stand-ins of the
         # gathered shape, so every option is validated as for a dense call (nothing allocated)
         spec = paged_spec(q, PagedKV(k_pages, v_pages, block_table.long(), kd, vd),
                           opts.merged(seqlens_kv=lens))
         if backends.choose(spec, backend) is not None:
             out, lse, _ = _execute(spec, backend)
+            out = _finish(spec, out)  # (out_dtype / out_scale, as attention applies them)
             return (out, lse) if return_lse else out
     k, v = gather_kv(k_pages, v_pages, block_table, lens, k_descale=kd, v_descale=vd,
                      dtype=q.dtype if kd is not None else None)

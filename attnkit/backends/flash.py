@@ -6,7 +6,14 @@ offsets become one visible key interval per row (computed here, in int32); docum
 narrower interval when their ids ascend (packed sequences) and a segment-id test otherwise;
 ALiBi, softcap, a relative-position table and sinks are score terms. Nothing of size
 ``Lq x Lk`` is written, and one call is one parallel region (two: the keys are first packed
-into transposed float32 blocks).
+into transposed float32 blocks). The row maxima (``AuxRequest(max_scores=True)``) come from
+the online softmax's running maxima, in natural units.
+
+A paged call (``spec.paged``: pages, block table and lengths; a prefill chunk too long for
+the decode executor) reads the pages in place: the packing pass finds each key through the
+block table (any page size), so no gathered copy is made and the result is the contiguous
+call's, bit for bit. Forward only: with gradients wanted the paged front door gathers; fp8
+pages stay with the decode executor (or are gathered, dequantized).
 
 The backward is FlashAttention-2's, native as well: items of up to four key blocks (in
 parallel) walk the query blocks that see them, recompute the weights from the forward's
@@ -51,6 +58,7 @@ from torch import Tensor
 from .. import native
 from ..masks import structure_of
 from ..mods import info_of
+from ..pages import gather_kv
 from ..spec import AttentionSpec
 from . import workers
 from .base import Capabilities, ForwardResult, Grads, not_supported_reasons
@@ -59,7 +67,8 @@ CAPS = Capabilities(
     name="flash",
     features=frozenset({"window", "mask_mod", "block_mask", "seqlens_q", "seqlens_kv",
                         "starts_kv", "segments", "batch_segments", "row_offset", "alibi",
-                        "softcap", "sinks", "additive_score_mod", "score_mod_grad", "dropout"}),
+                        "softcap", "sinks", "additive_score_mod", "score_mod_grad", "dropout",
+                        "paged_kv", "max_scores"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
     max_head_dim=256,
@@ -70,12 +79,12 @@ CAPS = Capabilities(
          "alibi_rows": "per-row ALiBi slopes are not a kernel term",
          "score_mod": "a score_mod is Python; the kernel evaluates only analytic terms",
          "dropout_mask": "a keep-mask tensor is read by the tiled executor",
-         "max_scores": "the kernel does not report row maxima",
          "p_scale": "the kernel does not quantize the softmax weights",
-         "paged_kv": "paged caches are the decode executor's",
-         "fp8_kv": "fp8 caches are the decode executor's"},
+         "fp8_kv": "fp8 pages are the decode executor's (longer query blocks gather them, "
+                   "dequantized, for the next executor)"},
     fallback=("fused", "tiled"),
-    fallback_for="the forward of a call with a non-finite input, and the gradients of "
+    fallback_for="the forward of a call with a non-finite input (a paged one's on its "
+                 "gathered pages), and the gradients of "
                  "learnable tensors other than a relative_bias table (from this forward's "
                  "out and lse)",
 )
@@ -94,7 +103,8 @@ def _table_of(spec: AttentionSpec) -> Optional[Tensor]:
 
 
 def extra_reasons(spec: AttentionSpec) -> List[str]:
-    """The kernel must be built for this CPU; score_mods only as the builtin tables."""
+    """The kernel must be built for this CPU; score_mods only as the builtin tables; a paged
+    cache only without gradients."""
     why = []
     if not native.build_info().get("flash", False):
         reason = native.unavailable_reason()
@@ -112,20 +122,38 @@ def extra_reasons(spec: AttentionSpec) -> List[str]:
         why.append("flash needs q, k and v in one dtype")
     if "dropout" in spec.features() and (spec.dropout_p >= 1.0 or max(spec.n, spec.hq) > 2**16):
         why.append("flash runs dropout with 0 < p < 1 and at most 65536 batch rows and heads")
+    if spec.paged is not None and _wants_grad(spec):
+        why.append("flash has no backward over paged K/V (the paged front door gathers the "
+                   "pages when gradients are needed)")
     return why
+
+
+def _wants_grad(spec: AttentionSpec) -> bool:
+    """Whether autograd would record this call: grad mode on and an input requiring grad."""
+    if not torch.is_grad_enabled():
+        return False
+    p = spec.paged
+    tensors = (spec.q, spec.sinks, *spec.score_mod_params,
+               *((p.k_pages, p.v_pages) if p is not None else (spec.k, spec.v)))
+    return any(x is not None and x.requires_grad for x in tensors)
 
 
 def auto_defers(spec: AttentionSpec) -> bool:
     """On a 256-bit (AVX2) build, a dense or plain causal call in float32 or float16 is left to
     the fused executor: torch's own kernel is faster there without AVX-512's 32 registers,
     forward and backward alike. bfloat16 is not (torch's bfloat16 backward is several times
-    slower there), nor any other term; the choice never depends on the grad mode, so a call
+    slower there), nor any other term, nor a call that the fused executor cannot run (one
+    that asks for the row maxima); the choice never depends on the grad mode, so a call
     gives the same bits with and without gradients."""
     if native.build_info().get("flash_bits", 0) >= 512 or spec.q.dtype == torch.bfloat16:
         return False
     terms = spec.features() - set(spec.outputs)
     plain_causal = spec.left is None and spec.right in (None, 0) and spec.diagonal == "top_left"
-    return not terms or (terms == {"window"} and plain_causal)
+    if terms and not (terms == {"window"} and plain_causal):
+        return False
+    from . import REGISTRY
+
+    return not not_supported_reasons(REGISTRY["fused"], spec)
 
 
 @dataclass
@@ -401,9 +429,34 @@ def terms(spec: AttentionSpec) -> Optional[native.FlashTerms]:
 
 def _source(spec: AttentionSpec) -> Tuple[Any, ...]:
     """The tensors a prepared call's terms and pointers come from, besides the spec's other
-    fields (which a plan shares): inputs, sinks and score_mod tensors, by storage."""
+    fields (which a plan shares): inputs (pages and block table), sinks and score_mod
+    tensors, by storage."""
+    p = spec.paged
+    paged = () if p is None else (p.k_pages, p.v_pages, p.block_table)
     return tuple(None if x is None else (x.data_ptr(), x.shape, x.stride())
-                 for x in (spec.q, spec.k, spec.v, spec.sinks, *spec.score_mod_params))
+                 for x in (spec.q, spec.k, spec.v, spec.sinks, *spec.score_mod_params, *paged))
+
+
+def _pages(spec: AttentionSpec) -> Optional[native.FlashPages]:
+    """The block table and lengths of a paged call (the kernel reads the pages in place)."""
+    p = spec.paged
+    return None if p is None else native.FlashPages(p.block_table, spec.seqlens_kv)
+
+
+def _kernel_inputs(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k and v as the kernel reads them, with unit stride along the head dim (one copy
+    where one is needed): for a paged call the pages themselves (the spec's k and v are
+    stand-ins)."""
+    if spec.paged is None:
+        return native._unit_stride(spec.q, spec.k, spec.v)
+    return native._unit_stride(spec.q, spec.paged.k_pages, spec.paged.v_pages)
+
+
+def _gathered(spec: AttentionSpec) -> AttentionSpec:
+    """A paged call on contiguous K/V gathered from its pages (for the next executor)."""
+    p = spec.paged
+    k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv, max_seqlen=spec.lk)
+    return replace(spec, k=k, v=v, paged=None)
 
 
 def _prepared(spec: AttentionSpec, plan: FlashPlan) -> Optional[native.FlashForward]:
@@ -415,35 +468,43 @@ def _prepared(spec: AttentionSpec, plan: FlashPlan) -> Optional[native.FlashForw
 def _prepare(spec: AttentionSpec, plan: FlashPlan, q: Tensor, k: Tensor, v: Tensor
              ) -> Optional[native.FlashForward]:
     """The plan's prepared call for ``spec`` (made and kept on the plan where it has none for
-    these tensors; ``q, k, v``: the spec's with unit stride along the head dim), or None: no
-    kernel, or terms it cannot take."""
+    these tensors; ``q, k, v``: :func:`_kernel_inputs`), or None: no kernel, or terms it
+    cannot take."""
     source = _source(spec)
     if plan.call is not None and plan.source == source:
         return plan.call
     with workers.one_thread(_terms_elements(spec)):  # (small ops: no parallel region each)
         t = terms(spec)
-    call = None if t is None else native.flash_prepare(q, k, v, spec.scale, t)
+    call = None if t is None else native.flash_prepare(q, k, v, spec.scale, t, _pages(spec))
     if call is not None:
         plan.call, plan.source = call, source
     return call
 
 
 def forward(spec: AttentionSpec, plan: FlashPlan) -> ForwardResult:
-    """The native forward (the next executor's for non-finite inputs). ``out`` comes in the
-    inputs' dtype. The kernel call it prepares stays on the plan for the backward."""
-    q, k, v = native._unit_stride(spec.q, spec.k, spec.v)  # (one copy where one is needed)
+    """The native forward (the next executor's for non-finite inputs, on K/V gathered from
+    the pages of a paged call). ``out`` comes in the inputs' dtype; ``max_scores`` from the
+    kernel where the spec asks for them (else NaN: not computed). The kernel call it prepares
+    stays on the plan for the backward."""
+    q, k, v = _kernel_inputs(spec)
     call = _prepare(spec, plan, q, k, v)
+    want_max = "max_scores" in spec.outputs
+    mx = torch.empty(spec.n, spec.hq, spec.lq, dtype=torch.float32) if want_max else None
     res = None
     if call is not None:
         try:
-            res = call.run(q, k, v)
+            res = call.run(q, k, v, max_scores=mx)
         except native.FlashNonFinite:
             res = None
     if res is None:  # (non-finite inputs; or a kernel that went away after selection)
+        if spec.paged is not None:
+            spec = _gathered(spec)
+            plan = FlashPlan(spec)
         mod, p = plan.next()
         return mod.forward(spec, p)
     out, lse = res
-    mx = torch.full((), float("nan"), dtype=lse.dtype).expand(lse.shape)
+    if mx is None:
+        mx = torch.full((), float("nan"), dtype=lse.dtype).expand(lse.shape)
     return ForwardResult(out=out, lse=lse, max_scores=mx)
 
 

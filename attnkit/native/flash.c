@@ -25,9 +25,14 @@
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
  * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
  * (parallel pass) transposed by blocks into float32 scratch: kt[(n, hkv, kb)][c][AK_FN],
- * values as float32 rows (only when they are not float32 already). out (N, Hq, Lq, dv) and
- * lse (N, Hq, Lq) are float32, contiguous. Rows with no visible key (and no sink) get out 0
- * and lse -inf.
+ * values as float32 rows (only when they are not float32 already, or are read from pages).
+ * out (N, Hq, Lq, dv) and lse (N, Hq, Lq) are float32, contiguous, and so are the row maxima
+ * where they are asked for. Rows with no visible key (and no sink) get out 0 and lse -inf.
+ *
+ * Paged K/V (the forward): the packing pass reads each key block through the block table
+ * (FlashAttention / vLLM layout, pages (P, page, Hkv, d), any page size), so the blocks it
+ * packs are those of the contiguous call and the rest of the forward is the same, bit for
+ * bit; no gathered copy is made.
  */
 #include <math.h>
 #include <stdint.h>
@@ -75,6 +80,17 @@ typedef struct {
     uint32_t drop_threshold, drop_offset;
     uint64_t drop_seed;
     float drop_scale;
+    /* keys and values read in place from pages through a block table (NULL: k and v as
+     * above; forward only): k and v are then (P, page, Hkv, d|dv) pages with ks/vs the
+     * strides of page, head and slot, key j of batch row n is slot j % page of page
+     * table[n * table_w + j / page], and row n has kv_len[n] keys (Lk is table_w * page;
+     * keys past kv_len[n] are never read, so the table needs no valid entry for them) */
+    const int64_t *table;
+    int64_t table_w, page;
+    const int64_t *kv_len;
+    /* each row's largest score (natural units, after every term; -inf for a row that sees
+     * no key), (N, Hq, Lq) float32, or NULL */
+    float *mx;
 } ak_flash_args;
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
@@ -414,109 +430,136 @@ static inline void ak_transpose16(__m512i r[16]) {
 
 /* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
 
+/* The keys batch row n has: Lk, or with a block table its kv_len[n] (clamped to [0, Lk]). */
+static inline int64_t ak_keys_of(const ak_flash_args *a, int64_t n) {
+    if (a->kv_len == NULL) return a->Lk;
+    const int64_t l = a->kv_len[n];
+    return l < 0 ? 0 : l < a->Lk ? l : a->Lk;
+}
+
+/* rows[jj]: where key j0 + jj of (batch row n, kv head h) of x (k or v, strides s) starts,
+ * for jj < nk: at x + n s[0] + h s[1] + j s[2], or with a block table in row j % page of
+ * page table[n][j / page], at x + page s[0] + h s[1] + (j % page) s[2]. */
+static inline void ak_block_rows(const ak_flash_args *a, const void *x, const int64_t s[3],
+                                 int64_t n, int64_t h, int64_t j0, int64_t nk,
+                                 const char *rows[AK_FN]) {
+    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    const char *base = (const char *)x + h * s[1] * esz;
+    if (a->table == NULL) {
+        for (int64_t jj = 0; jj < nk; jj++) rows[jj] = base + (n * s[0] + (j0 + jj) * s[2]) * esz;
+        return;
+    }
+    const int64_t *pages = a->table + n * a->table_w;
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const int64_t j = j0 + jj;
+        rows[jj] = base + (pages[j / a->page] * s[0] + j % a->page * s[2]) * esz;
+    }
+}
+
+/* bf16dot: one block's keys as 32-bit pairs of their dims, transposed (one key a lane, zero
+ * past nk), into kd; its values as pairs of keys' rows (vd[jp][c] = (V[2jp][c], V[2jp+1][c]))
+ * into vd. Returns whether an input was not finite. */
+static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char *vr[AK_FN],
+                      int64_t nk, uint32_t *kd, uint32_t *vd) {
+    const int64_t d = a->d, dv = a->dv;
+    int bad = 0;
+#if defined(__AVX512F__)
+    for (int64_t j16 = 0; j16 < AK_FN; j16 += 16) /* 16 keys x 16 pairs at once */
+        for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                r[i] = j16 + i < nk ? _mm512_loadu_si512(
+                                          (const void *)((const uint32_t *)kr[j16 + i] + c0))
+                                    : _mm512_setzero_si512();
+                bad |= ak_nonfinite_bf16(r[i]) != 0;
+            }
+            ak_transpose16(r);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
+        }
+#else
+    for (int64_t jj = 0; jj < nk; jj++)
+        for (int64_t c = 0; c < d; c += 32)
+            bad |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                       (const void *)((const uint16_t *)kr[jj] + c))) != 0;
+    for (int64_t c = 0; c < d / 2; c++)
+        for (int64_t jj = 0; jj < AK_FN; jj++)
+            kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)kr[jj])[c] : 0u;
+#endif
+    for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
+        const int odd = 2 * jp + 1 < nk; /* (else the pair's second key is zero) */
+        const uint16_t *r0 = (const uint16_t *)vr[2 * jp];
+        const uint16_t *r1 = (const uint16_t *)vr[2 * jp + odd];
+        for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+            const __m512i both = odd ? ak_pair16(r0 + c0, r1 + c0)
+                                     : _mm512_cvtepu16_epi32(
+                                           _mm256_loadu_si256((const __m256i *)(r0 + c0)));
+            bad |= ak_nonfinite_bf16(both) != 0;
+            _mm512_storeu_si512((void *)(vd + jp * dv + c0), both);
+        }
+    }
+    return bad;
+}
+
+/* float32 arithmetic: one block's keys transposed to float32 (zero past nk) into kt, and its
+ * values as float32 rows into vd (NULL: float32 values read in place, only checked here).
+ * Returns whether an input was not finite. */
+static int ak_pack_f32(const ak_flash_args *a, const char *kr[AK_FN], const char *vr[AK_FN],
+                       int64_t nk, float *kt, float *vd) {
+    const int64_t d = a->d, dv = a->dv;
+    int bad = 0;
+    float tile[AK_FN][16];
+    for (int64_t c0 = 0; c0 < d; c0 += 16) {
+        for (int64_t jj = 0; jj < AK_FN; jj++) {
+            __m512 x = _mm512_setzero_ps();
+            if (jj < nk) x = ak_load_row16(kr[jj], a->dtype, c0);
+            bad |= ak_nonfinite(x) != 0;
+            _mm512_storeu_ps(tile[jj], x);
+        }
+        for (int64_t c = 0; c < 16; c++) {
+            float *row = kt + (c0 + c) * AK_FN;
+            for (int64_t jj = 0; jj < AK_FN; jj++) row[jj] = tile[jj][c];
+        }
+    }
+    for (int64_t jj = 0; jj < nk; jj++)
+        for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+            const __m512 x = ak_load_row16(vr[jj], a->dtype, c0);
+            bad |= ak_nonfinite(x) != 0;
+            if (vd != NULL) _mm512_storeu_ps(vd + jj * dv + c0, x);
+        }
+    return bad;
+}
+
 typedef struct {
     const ak_flash_args *a;
     int64_t nkb, next;
 } ak_pack_ctx;
 
+/* Packs the key blocks (batch row, kv head, block), in parallel; blocks past a row's keys
+ * (a block table's row shorter than Lk) are never read, so not packed. */
 static void ak_pack_worker(void *vctx, int w, int nw) {
     (void)w, (void)nw;
     ak_pack_ctx *ctx = vctx;
     const ak_flash_args *a = ctx->a;
     const int64_t d = a->d, dv = a->dv, nkb = ctx->nkb;
     const int64_t total = a->N * a->Hkv * nkb;
-    const size_t esz = a->dtype == 0 ? 4 : 2;
     int bad = 0;
     int64_t b0, b1;
     while (ak_next_block(&ctx->next, 4, total, &b0, &b1)) {
         for (int64_t t = b0; t < b1; t++) {
             const int64_t kb = t % nkb, nh = t / nkb, n = nh / a->Hkv, h = nh % a->Hkv;
-            const char *kbase = (const char *)a->k + (n * a->ks[0] + h * a->ks[1]) * esz;
-            float *dst = a->kt + t * d * AK_FN;
-            const int64_t j0 = kb * AK_FN;
-            const int64_t nk = a->Lk - j0 < AK_FN ? a->Lk - j0 : AK_FN;
-            if (a->bf16dot) { /* 32-bit pairs of one key's dims, transposed; value pairs */
-                uint32_t *kd = (uint32_t *)a->kt + t * (d / 2) * AK_FN;
-#if defined(__AVX512F__)
-                for (int64_t j16 = 0; j16 < AK_FN; j16 += 16) /* 16 keys x 16 pairs at once */
-                    for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
-                        __m512i r[16];
-                        for (int i = 0; i < 16; i++) {
-                            r[i] = j16 + i < nk ? _mm512_loadu_si512((const void *)(
-                                       (const uint32_t *)(kbase + (j0 + j16 + i) * a->ks[2] *
-                                                          esz) + c0))
-                                                : _mm512_setzero_si512();
-                            bad |= ak_nonfinite_bf16(r[i]) != 0;
-                        }
-                        ak_transpose16(r);
-                        for (int i = 0; i < 16; i++)
-                            _mm512_storeu_si512((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
-                    }
-#else
-                for (int64_t jj = 0; jj < nk; jj++)
-                    for (int64_t c = 0; c < d; c += 32)
-                        bad |= ak_nonfinite_bf16(_mm512_loadu_si512(
-                                   (const void *)((const uint16_t *)(kbase + (j0 + jj) *
-                                                                     a->ks[2] * esz) + c))) != 0;
-                for (int64_t c = 0; c < d / 2; c++)
-                    for (int64_t jj = 0; jj < AK_FN; jj++)
-                        kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)(
-                            kbase + (j0 + jj) * a->ks[2] * esz))[c] : 0u;
-#endif
-                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
-                const int64_t npairs = (a->Lk + 1) / 2;
-                uint32_t *vd = (uint32_t *)a->vf + (nh * npairs + j0 / 2) * dv;
-                for (int64_t jp = 0; jp < (nk + 1) / 2; jp++) {
-                    const uint16_t *r0 = (const uint16_t *)(vbase + (j0 + 2 * jp) * a->vs[2] * esz);
-                    const int odd = j0 + 2 * jp + 1 < a->Lk;
-                    const uint16_t *r1 = (const uint16_t *)(vbase + (j0 + 2 * jp + odd) *
-                                                            a->vs[2] * esz);
-                    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-                        const __m512i lo16 = _mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256((const __m256i *)(r0 + c0)));
-                        __m512i hi16 = _mm512_cvtepu16_epi32(
-                            _mm256_loadu_si256((const __m256i *)(r1 + c0)));
-                        if (!odd) hi16 = _mm512_setzero_si512();
-                        const __m512i both = _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16));
-                        bad |= ak_nonfinite_bf16(both) != 0;
-                        _mm512_storeu_si512((void *)(vd + jp * dv + c0),
-                                            _mm512_or_si512(lo16, _mm512_slli_epi32(hi16, 16)));
-                    }
-                }
-                continue;
-            }
-            if (a->vf == NULL) { /* float32 values are read in place: look at them here */
-                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
-                for (int64_t jj = 0; jj < nk; jj++)
-                    for (int64_t c0 = 0; c0 < dv; c0 += 16)
-                        bad |= ak_nonfinite(_mm512_loadu_ps(
-                                   (const float *)(vbase + (j0 + jj) * a->vs[2] * esz) + c0)) != 0;
-            }
-            float tile[AK_FN][16];
-            for (int64_t c0 = 0; c0 < d; c0 += 16) {
-                for (int64_t jj = 0; jj < AK_FN; jj++) {
-                    __m512 x = _mm512_setzero_ps();
-                    if (jj < nk)
-                        x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c0);
-                    bad |= ak_nonfinite(x) != 0;
-                    _mm512_storeu_ps(tile[jj], x);
-                }
-                for (int64_t c = 0; c < 16; c++) {
-                    float *row = dst + (c0 + c) * AK_FN;
-                    for (int64_t jj = 0; jj < AK_FN; jj++) row[jj] = tile[jj][c];
-                }
-            }
-            if (a->vf != NULL) {
-                const char *vbase = (const char *)a->v + (n * a->vs[0] + h * a->vs[1]) * esz;
-                float *vd = a->vf + (nh * a->Lk + j0) * dv;
-                for (int64_t jj = 0; jj < nk; jj++)
-                    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-                        const __m512 x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz,
-                                                       a->dtype, c0);
-                        bad |= ak_nonfinite(x) != 0;
-                        _mm512_storeu_ps(vd + jj * dv + c0, x);
-                    }
-            }
+            const int64_t j0 = kb * AK_FN, keys = ak_keys_of(a, n);
+            const int64_t nk = keys - j0 < AK_FN ? keys - j0 : AK_FN;
+            if (nk <= 0) continue;
+            const char *kr[AK_FN], *vr[AK_FN];
+            ak_block_rows(a, a->k, a->ks, n, h, j0, nk, kr);
+            ak_block_rows(a, a->v, a->vs, n, h, j0, nk, vr);
+            if (a->bf16dot)
+                bad |= ak_pack_bf(a, kr, vr, nk, (uint32_t *)a->kt + t * (d / 2) * AK_FN,
+                                  (uint32_t *)a->vf + (nh * ((a->Lk + 1) / 2) + j0 / 2) * dv);
+            else
+                bad |= ak_pack_f32(a, kr, vr, nk, a->kt + t * d * AK_FN,
+                                   a->vf != NULL ? a->vf + (nh * a->Lk + j0) * dv : NULL);
         }
     }
     if (bad) ak_flag_bad(a);
@@ -704,9 +747,38 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
 }
 #endif
 
+/* Rows i0 .. i0 + nrows - 1 of (batch row n, query head h) from their running maxima m (base
+ * 2), sums l and accumulated outputs obuf: out, lse and (where asked for) the row maxima in
+ * natural units. */
+static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_t i0,
+                            int64_t nrows, const float *m, const float *l, const float *obuf) {
+    static const float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+    const int64_t dv = a->dv;
+    const size_t oe = a->out_dtype == 0 ? 4 : 2;
+    const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t row = (n * a->Hq + h) * a->Lq + i0 + r;
+        char *orow = (char *)a->out + row * dv * oe;
+        if (a->mx != NULL) a->mx[row] = m[r] * LN2; /* (-inf for a row that saw no key) */
+        float mf = m[r] > sink ? m[r] : sink;
+        if (mf == -INFINITY || !(l[r] > 0.0f || sink > -INFINITY)) {
+            memset(orow, 0, (size_t)dv * oe);
+            a->lse[row] = -INFINITY;
+            continue;
+        }
+        const float w = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mf);
+        const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
+        const __m512 f = _mm512_set1_ps(w / total * (a->dropout ? a->drop_scale : 1.0f));
+        for (int64_t c = 0; c < dv; c += 16)
+            ak_store_row16(orow, a->out_dtype, c,
+                           _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
+        a->lse[row] = (mf + log2f(total)) * LN2;
+    }
+}
+
 static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
                         int64_t i1, int worker) {
-    const int64_t d = a->d, dv = a->dv, Lk = a->Lk;
+    const int64_t d = a->d, dv = a->dv, Lk = ak_keys_of(a, n); /* (row n's keys) */
     const int64_t hk = h / (a->Hq / a->Hkv);
     const int64_t nrows = i1 - i0;
     const int64_t groups = (nrows + AK_FR - 1) / AK_FR;
@@ -765,10 +837,10 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
     const float *vb;
     int64_t vstride;
     if (a->bf16dot) {
-        vb = a->vf + (n * a->Hkv + hk) * ((Lk + 1) / 2) * dv;
+        vb = a->vf + (n * a->Hkv + hk) * ((a->Lk + 1) / 2) * dv;
         vstride = dv;
     } else if (a->vf != NULL) {
-        vb = a->vf + (n * a->Hkv + hk) * Lk * dv;
+        vb = a->vf + (n * a->Hkv + hk) * a->Lk * dv;
         vstride = dv;
     } else {
         vb = (const float *)a->v + n * a->vs[0] + hk * a->vs[1];
@@ -887,25 +959,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                       vstride, nk);
         }
     }
-    const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
-    for (int64_t r = 0; r < nrows; r++) {
-        const int64_t i = i0 + r;
-        const size_t oe = a->out_dtype == 0 ? 4 : 2;
-        char *orow = (char *)a->out + ((n * a->Hq + h) * a->Lq + i) * dv * oe;
-        float mf = m[r] > sink ? m[r] : sink;
-        if (mf == -INFINITY || !(l[r] > 0.0f || sink > -INFINITY)) {
-            memset(orow, 0, (size_t)dv * oe);
-            a->lse[(n * a->Hq + h) * a->Lq + i] = -INFINITY;
-            continue;
-        }
-        const float w = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mf);
-        const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
-        const __m512 f = _mm512_set1_ps(w / total * (a->dropout ? a->drop_scale : 1.0f));
-        for (int64_t c = 0; c < dv; c += 16)
-            ak_store_row16(orow, a->out_dtype, c,
-                           _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
-        a->lse[(n * a->Hq + h) * a->Lq + i] = (mf + log2f(total)) * 0.6931471805599453f;
-    }
+    ak_fwd_rows_out(a, n, h, i0, nrows, m, l, obuf);
 }
 
 static void ak_fwd_worker(void *vctx, int w, int nw) {
@@ -929,6 +983,9 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (a->dtype == 0 && a->vf == NULL && a->vs[2] < a->dv) return -3;
+    if (a->table != NULL && (a->vf == NULL || a->kv_len == NULL || a->page <= 0 ||
+                             a->table_w * a->page != a->Lk))
+        return -3; /* (paged values are always packed: no block of them is one strided run) */
 #ifndef AK_FLASH_BF16
     if (a->bf16dot) return -5;
 #endif
@@ -1469,6 +1526,7 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
     if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
     if (g->drel != NULL && a->rel == NULL) return -6;
+    if (a->table != NULL) return -8; /* (the backward reads contiguous K/V only) */
     if (a->bad == NULL || g->dout_dtype < 0 || g->dout_dtype > 2 || g->out_dtype < 0 ||
         g->out_dtype > 2 || g->grad_dtype < 0 || g->grad_dtype > 2 || g->dq == NULL ||
         g->dk == NULL || g->dv == NULL || (g->grad_dtype != 0 && g->dq_out == NULL))
