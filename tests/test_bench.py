@@ -28,6 +28,7 @@ from attnkit.bench.flops import (
     visible_pairs,
     visible_per_head,
 )
+from attnkit.bench.limits import Limits
 from attnkit.bench.memory import measure_in_child
 from attnkit.bench.peers import PEERS, make_call, paged_cache
 from attnkit.bench.runner import (
@@ -327,7 +328,7 @@ def test_json_schema_of_a_tiny_run(tmp_path) -> None:
     rep.write_json(doc, path)
     back = json.load(open(path))
     assert rep.validate(back) == []
-    assert set(back["results"][0]) == set(rep.RESULT_KEYS)
+    assert set(back["results"][0]) == set(rep.RESULT_KEYS + rep.OPTIONAL_RESULT_KEYS)
     assert back["cases"][0]["visible_pairs"] == visible_pairs(case)
     bad = dict(back, results=[dict(back["results"][0], status="weird")])
     assert rep.validate(bad)
@@ -365,6 +366,19 @@ def test_peak_memory_child_sees_torch_allocations() -> None:
 
 def _parse(*argv: str) -> argparse.Namespace:
     return add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+FAKE_LIMITS = Limits(threads=2, fma_float32_gflops=200.0, fma_bits=512,
+                     dot_bfloat16_gflops=400.0, copy_gbps=20.0, copy_source="fake", seconds=0.1)
+
+
+def _fast_peaks(monkeypatch) -> None:
+    """torch's matmul at 100 GFLOP/s and :data:`FAKE_LIMITS`, without timing either."""
+    from attnkit.bench import limits, runner
+
+    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)
+    monkeypatch.setattr(limits, "_matmul_rate", lambda dtype, n, reps: 100.0)
+    monkeypatch.setattr(runner, "measure_limits", lambda: FAKE_LIMITS)
 
 
 def test_cli_runs_and_writes_json_and_plot(tmp_path, capsys) -> None:
@@ -425,7 +439,7 @@ def test_one_line_per_finished_case_without_a_terminal(tmp_path, monkeypatch) ->
         return real_run_case(case, *args, **kw)
 
     monkeypatch.setattr(runner, "run_case", run_case)
-    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)  # faster
+    _fast_peaks(monkeypatch)
     path = str(tmp_path / "b.json")
     args = _parse("--only", "small_256,causal_br_256_1k", "--pass", "fwd", "--peers",
                   "attnkit,naive", "--repeat", "1", "--no-memory", "--no-malloc-tune",
@@ -453,7 +467,7 @@ def test_contention_is_said_above_the_table(monkeypatch, capsys) -> None:
     busy = runner.assess_load(cores=2, threads=2, load_avg=0.1, single_gflops=100.0,
                               multi_gflops=105.0, others_cores=0.9)
     monkeypatch.setattr(runner, "assess_load", lambda **kw: busy)
-    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)  # faster
+    _fast_peaks(monkeypatch)
     args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "attnkit", "--repeat", "1",
                   "--no-memory", "--no-malloc-tune", "--min-sample-ms", "1")
     assert run_from_args(args) == 0
@@ -711,7 +725,7 @@ def test_contention_runs_busy_processes_and_stops_them() -> None:
 def test_bench_contend_says_so_and_records_it(monkeypatch, tmp_path, capsys) -> None:
     """``--contend 1``: one busy process during the cases (started after the matmul peaks),
     named in the title, the line above the table and the JSON."""
-    from attnkit.bench import contend, runner
+    from attnkit.bench import contend
     from attnkit.bench import report as rep
 
     seen = []
@@ -722,7 +736,7 @@ def test_bench_contend_says_so_and_records_it(monkeypatch, tmp_path, capsys) -> 
         seen.append(self.running())
 
     monkeypatch.setattr(contend.Contention, "start", start)
-    monkeypatch.setattr(runner, "matmul_gflops", lambda dtype, n=2048, reps=5: 100.0)
+    _fast_peaks(monkeypatch)
     path = str(tmp_path / "c.json")
     args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "attnkit", "--repeat", "1",
                   "--no-memory", "--no-malloc-tune", "--min-sample-ms", "1", "--contend", "1",
@@ -773,3 +787,169 @@ def test_contended_runs_sample_longer_and_take_more_rounds(monkeypatch) -> None:
     assert seen == dict(repeat=2, default_repeat=5, min_sample_s=0.03, contend=1)
     assert run_from_args(_parse("--only", "small_256")) == 0
     assert seen["default_repeat"] == 3 and seen["min_sample_s"] == 0.02
+
+
+# --------------------------------------------------------------------------- limits, budget
+
+
+def test_the_limits_are_measured_within_their_time_bound() -> None:
+    """The native FMA and dot-product rates and the copy bandwidth: positive, of the build's
+    vector width, the dot product exactly where the build has AVX512-BF16, and measured in
+    about the time asked (generous bound: a busy machine only slows the rates)."""
+    from attnkit import native
+    from attnkit.bench import limits
+
+    start = time.perf_counter()
+    lim = limits.measure(budget_s=0.05)
+    took = time.perf_counter() - start
+    assert took < 15 and lim.seconds == pytest.approx(took, abs=1.0)
+    assert lim.threads == torch.get_num_threads()
+    assert lim.copy_gbps > 0 and "MiB" in lim.copy_source
+    if not native.available():
+        assert lim.fma_float32_gflops is None and "unavailable" in " ".join(lim.notes)
+        return
+    info = native.build_info()
+    assert lim.fma_float32_gflops > 0
+    if info.get("flash"):
+        assert lim.fma_bits == info["flash_bits"]  # the kernels' width: 512 or 256 (AVX2)
+    assert (lim.dot_bfloat16_gflops is not None) == info["bf16_dot"]
+    if lim.dot_bfloat16_gflops is None:
+        assert any("float32" in n for n in lim.notes)  # bfloat16's limit is the FMA's
+    assert lim.compute_gflops("bfloat16") == (lim.dot_bfloat16_gflops
+                                              or lim.fma_float32_gflops)
+    line = lim.line()
+    assert "float32 FMA" in line and "copy" in line
+    with pytest.raises(ValueError, match="budget_s"):
+        limits.measure(budget_s=0)
+
+
+def test_the_share_of_the_limits_is_the_roofline() -> None:
+    lim = FAKE_LIMITS  # 200 GFLOP/s float32, 400 bfloat16 dot, 20 GB/s copy
+    # compute-bound: 100 GFLOP in 1 s = 50% of float32's 200, 25% of bfloat16's 400
+    assert lim.share(100e9, 1 << 20, "float32", 1.0) == (pytest.approx(50.0), "compute")
+    assert lim.share(100e9, 1 << 20, "bfloat16", 1.0) == (pytest.approx(25.0), "compute")
+    # bandwidth-bound (decoding): 10 GB of K/V in 1 s = 50% of a 20 GB/s copy
+    assert lim.share(1e9, 10 ** 10, "float32", 1.0) == (pytest.approx(50.0), "copy")
+    assert lim.share(1e9, 10 ** 10, "float32", None) == (None, None)
+    none = Limits(threads=1)
+    assert none.share(1e9, 10, "float32", 1.0) == (None, None)
+    without_dot = Limits(threads=1, fma_float32_gflops=200.0)
+    assert without_dot.compute_name("bfloat16") == "float32 FMA"
+    better = without_dot.better(Limits(threads=1, fma_float32_gflops=150.0, copy_gbps=9.0))
+    assert better.fma_float32_gflops == 200.0 and better.copy_gbps == 9.0
+
+
+def test_the_share_column_is_computed_from_the_limits() -> None:
+    from attnkit.bench.runner import fill_shares
+
+    case = TINY["dense"]
+    decode = {c.name: c for c in CATALOG}["paged_decode_2k"]
+    rows = [rep.Result(case.name, "fwd", "float32", "attnkit", median_s=0.5, flops=50e9,
+                       gflops=100.0),
+            rep.Result(decode.name, "fwd", "float32", "attnkit", median_s=0.01, flops=1e6,
+                       gflops=0.1)]
+    fill_shares(rows, [case, decode], FAKE_LIMITS, {"float32": 400.0, "bfloat16": None})
+    assert rows[0].pct_of_limit == pytest.approx(50.0) and rows[0].limit == "compute"
+    assert rows[0].pct_of_matmul == pytest.approx(25.0)
+    want = 100.0 * kv_bytes(decode, torch.float32) / 20e9 / 0.01
+    assert rows[1].pct_of_limit == pytest.approx(want) and rows[1].limit == "copy"
+    table = rep.table_rows(rows)
+    assert table[0][rep.COLUMNS.index("% of limit")] == "50"
+    assert table[1][rep.COLUMNS.index("% of limit")].endswith("(copy)")
+
+
+def test_torch_matmul_is_sized_by_its_rate_and_skips_emulated_bfloat16(monkeypatch) -> None:
+    from attnkit.bench import limits
+
+    sizes = []
+
+    def rate(dtype, n, reps):
+        sizes.append((dtype, n))
+        return 1.0 if dtype == torch.float32 else 500.0  # a slow float32: 1 GFLOP/s
+
+    monkeypatch.setattr(limits, "_matmul_rate", rate)
+    monkeypatch.setattr(limits, "native_bf16_matmul", lambda: True)
+    mm = limits.torch_matmul(budget_s=1.0)
+    # float32: 3 calls at 512^3 (0.8 GFLOP) fit 1 s at 1 GFLOP/s, at 1024^3 not
+    assert mm.size == {"float32": 512, "bfloat16": 2048} and not mm.skipped
+    assert (torch.float32, 1024) not in sizes
+    monkeypatch.setattr(limits, "native_bf16_matmul", lambda: False)  # an AVX2 CPU's torch
+    sizes.clear()
+    mm = limits.torch_matmul()
+    assert mm.gflops["bfloat16"] is None and "emulated" in mm.skipped["bfloat16"]
+    assert all(dtype == torch.float32 for dtype, _ in sizes)  # bfloat16 never timed
+    assert "bfloat16 not timed" in mm.line()
+    # where torch cannot say, a probe under half float32's rate decides
+    monkeypatch.setattr(limits, "native_bf16_matmul", lambda: None)
+    monkeypatch.setattr(limits, "_matmul_rate",
+                        lambda dtype, n, reps: 100.0 if dtype == torch.float32 else 1.0)
+    assert "bfloat16" in limits.torch_matmul().skipped
+    again = limits.torch_matmul(sizes={"float32": 512})
+    assert again.gflops == {"float32": 100.0, "bfloat16": None}
+
+
+def test_a_deadline_cuts_rounds_and_peers_and_says_so() -> None:
+    m = FakeMachine()
+    fns = {"attnkit": m.fn("attnkit", 2.0), "slow": m.fn("slow", 3.0), "late": m.fn("late", 1.0)}
+    t = interleave(fns, subject="attnkit", rounds=3, clock=m.clock, deadline=4.0,
+                   slow_call_s=1.0)
+    # the subject's and "slow"'s warm-ups (>= 1 s each) are their first samples; by then the
+    # deadline has passed: "late" is left out, no further round, no closing run
+    assert m.calls == ["attnkit", "slow"]
+    assert len(t.times["attnkit"]) == 1 and len(t.times["slow"]) == 1
+    assert "late" not in t.times and "not timed" in t.cut["late"]
+    assert "1 of 3 round(s)" in t.cut["slow"] and "1 of 3" in t.cut["attnkit"]
+    assert t.ratio("slow") == pytest.approx(1.5, rel=0.05)
+    m2 = FakeMachine()
+    fns = {"attnkit": m2.fn("attnkit", 0.5), "peer": m2.fn("peer", 0.5)}
+    t2 = interleave(fns, subject="attnkit", rounds=3, clock=m2.clock, deadline=1e9)
+    assert not t2.cut and len(t2.times["attnkit"]) == 4  # a far deadline changes nothing
+
+
+def test_the_budget_and_the_limits_reach_the_output_and_the_json(tmp_path, monkeypatch,
+                                                                  capsys) -> None:
+    _fast_peaks(monkeypatch)
+    path = str(tmp_path / "b.json")
+    args = _parse("--only", "small_256", "--pass", "fwd", "--peers", "attnkit,naive",
+                  "--no-memory", "--no-malloc-tune", "--budget", "0.000001", "--json", path)
+    assert run_from_args(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[1].startswith("limits on 2 thread(s): float32 FMA 200 GFLOP/s (512-bit)")
+    assert lines[2].startswith("torch matmul: float32 100 GFLOP/s")
+    assert "left out (" in out and "left untimed: small_256: naive fwd" in out
+    doc = json.load(open(path))
+    assert rep.validate(doc) == []
+    assert doc["limits"]["fma_float32_gflops"] == 200.0 and doc["limits"]["copy_gbps"] == 20.0
+    assert doc["settings"]["budget_s"] == pytest.approx(1e-6)
+    assert doc["matmul"]["size"]["float32"] == 2048
+    machine = doc["machine"]
+    assert isinstance(machine["cpu_features"], list)
+    assert "native_avx512" in machine and "torch_bf16_matmul_native" in machine
+    by = {r["peer"]: r for r in doc["results"]}
+    assert by["attnkit"]["status"] == "ok" and by["attnkit"]["limit"] == "compute"
+    expect = 100.0 * by["attnkit"]["flops"] / 200e9 / by["attnkit"]["median_s"]
+    assert by["attnkit"]["pct_of_limit"] == pytest.approx(expect)
+    assert by["naive"]["status"] == "skipped" and "--budget" in by["naive"]["note"]
+    assert any("naive" in x for x in doc["left_out"])
+
+
+def test_emulated_bfloat16_leaves_out_the_peers_on_torch_matmul(monkeypatch) -> None:
+    from attnkit.bench import limits
+
+    monkeypatch.setattr(limits, "native_bf16_matmul", lambda: False)
+    seen = {}
+    monkeypatch.setattr("attnkit.bench._run_with_progress",
+                        lambda settings: (seen.setdefault("skip", settings.emulated_bf16_skip),
+                                          ({}, []))[1])
+    assert run_from_args(_parse("--only", "small_256", "--dtype", "bfloat16")) == 0
+    assert seen.pop("skip") == ("naive", "flex")
+    assert run_from_args(_parse("--only", "small_256", "--dtype", "bfloat16", "--peers",
+                                "attnkit,naive")) == 0
+    assert seen.pop("skip") == ()  # named peers run
+    case = TINY["dense"]
+    settings = _tiny_settings(cases=[case], dtypes=["bfloat16"], passes=["fwd"],
+                              peers=["attnkit", "naive"], emulated_bf16_skip=("naive",))
+    rows = {r.peer: r for r in run_case(case, settings, {})}
+    assert rows["naive"].status == "skipped" and "emulated" in rows["naive"].note
+    assert rows["attnkit"].status == "ok"

@@ -11,9 +11,10 @@ import torch
 from conftest import check_oracle, rand
 
 import attnkit
-from attnkit import api, native
+from attnkit import api, backends, native
 from attnkit.backends import flash
 from attnkit.reference import attention_reference
+from attnkit.spec import build_spec
 
 pytestmark = pytest.mark.skipif(not native.build_info().get("flash", False),
                                 reason="native flash kernel unavailable")
@@ -21,6 +22,16 @@ pytestmark = pytest.mark.skipif(not native.build_info().get("flash", False),
 
 def _r(g, *shape):
     return rand(*shape, gen=g, dtype=torch.float32)
+
+
+def _on_flash(q, k, v, kw):
+    """``kw`` for a call of this form that the flash executor runs: as given where ``auto``
+    chooses flash (:func:`attnkit.backends.choose`), else with ``backend="flash"`` (a 256-bit
+    build leaves dense and plain causal float32 calls to the fused executor, which replays
+    nothing), so that every CPU checks the flash executor's replay."""
+    if backends.choose(build_spec(q, k, v, **kw)) is flash:
+        return kw
+    return dict(kw, backend="flash")
 
 
 def _full(q, k, v, kw):
@@ -53,12 +64,13 @@ def test_recurring_calls_are_replayed_with_the_full_paths_bits(kw, dtype, specs_
             q = rand(2, 4, 96, 64, gen=g, dtype=dtype)
             k, v = rand(2, 2, 130, 64, gen=g, dtype=dtype), rand(2, 2, 130, 64, gen=g,
                                                                   dtype=dtype)
+            call = _on_flash(q, k, v, kw)
             built = len(specs_built)
-            out = attnkit.attention(q, k, v, **kw)
+            out = attnkit.attention(q, k, v, **call)
             assert out.dtype == dtype and out.shape == (2, 4, 96, 64) and out.is_contiguous()
             if step:
                 assert len(specs_built) == built  # replayed: no spec built
-                assert torch.equal(out, _full(q, k, v, kw))
+                assert torch.equal(out, _full(q, k, v, call))
             check_oracle(out, q, k, v, kw, dtype)
 
 
@@ -83,15 +95,16 @@ def test_another_form_takes_the_full_path_and_is_right(specs_built):
 def test_a_non_finite_input_on_a_replayed_call_gives_the_full_paths_nan():
     g = torch.Generator().manual_seed(3)
     q, k, v = _r(g, 1, 2, 64, 64), _r(g, 1, 2, 64, 64), _r(g, 1, 2, 64, 64)
+    call = _on_flash(q, k, v, dict(causal=True))
     api._REPLAYS.clear()
     with torch.no_grad():
-        attnkit.attention(q, k, v, causal=True)
+        attnkit.attention(q, k, v, **call)
         launch = next(iter(api._REPLAYS.values()))
         assert launch is not None
         q2 = q.clone()
         q2[0, 1, 5, 3] = float("nan")
         assert launch(q2, k, v, None, None) is None  # the kernel refused it
-        out = attnkit.attention(q2, k, v, causal=True)
+        out = attnkit.attention(q2, k, v, **call)
     ref = attention_reference(q2.double(), k.double(), v.double(), causal=True)
     assert torch.isnan(out[0, 1, 5]).all() and torch.isnan(ref[0, 1, 5]).all()
     torch.testing.assert_close(out[0, 0].double(), ref[0, 0], atol=2e-6, rtol=2e-5)
@@ -167,7 +180,7 @@ def test_the_launcher_holds_no_input():
     q, k, v = (_r(g, 1, 2, 64, 64) for _ in range(3))
     api._REPLAYS.clear()
     with torch.no_grad():
-        attnkit.attention(q, k, v)
+        attnkit.attention(q, k, v, **_on_flash(q, k, v, {}))
     launch = next(iter(api._REPLAYS.values()))
     held = [c.cell_contents for c in launch.__closure__ or ()]
     call = next(x for x in held if isinstance(x, native.FlashForward))
@@ -212,15 +225,17 @@ def test_a_launcher_another_thread_dropped_meanwhile_takes_the_full_path(specs_b
     gone by the time it drops it."""
     g = torch.Generator().manual_seed(10)
     q, k, v = (_r(g, 1, 2, 64, 32) for _ in range(3))
+    call = _on_flash(q, k, v, dict(causal=True))
     with torch.no_grad():
-        attnkit.attention(q, k, v, causal=True)
+        attnkit.attention(q, k, v, **call)
         (key,) = api._REPLAYS
+        assert api._REPLAYS[key] is not None  # the flash executor's launcher
 
         def refusing(*args):
             api._REPLAYS.pop(key, None)  # (what the other thread did meanwhile)
             return None
 
         api._REPLAYS[key] = refusing
-        out = attnkit.attention(q, k, v, causal=True)
+        out = attnkit.attention(q, k, v, **call)
     check_oracle(out, q, k, v, dict(causal=True), torch.float32)
     assert len(specs_built) == 2

@@ -5,28 +5,39 @@ Usage (``python -m attnkit.bench`` takes the same options)::
 
     attnkit bench [--suite quick|standard|long|compile] [--dtype float32,bfloat16] [--contend N]
                   [--pass fwd,fwd+bwd] [--only NAME,...] [--peers NAME,...] [--json PATH]
-                  [--plot PATH] [--repeat N]
+                  [--plot PATH] [--repeat N] [--budget SECONDS]
                   [--memory | --no-memory] [--mem-budget GIB] [--min-sample-ms MS]
                   [--no-malloc-tune] [--list]
     attnkit bench --distributed [--json PATH]
 
-Suites (see :mod:`attnkit.bench.cases`): ``quick`` (about 100 s on 2 cores, float32, no
-compiled FlexAttention: its compile takes ~16-25 s per case; add it with ``--peers``),
-``standard`` (the suite the README's performance figures come from; float32 and bfloat16,
+Suites (see :mod:`attnkit.bench.cases`): ``quick`` (under 2 minutes on 2 cores, whatever the
+CPU: its cases share a time budget, ``--budget``; float32, no compiled FlexAttention: its
+compile takes ~16-25 s per case; add it with ``--peers``),
+``standard`` (the suite of the benchmark pages' figures, docs/benchmarks; float32 and bfloat16,
 every peer), ``long`` (``standard`` plus 32k-64k contexts), ``compile`` (the attention call
 inside ``torch.compile(fullgraph=True)``: attnkit, torch SDPA and FlexAttention compiled, with
 their compile times).
 
-Per case, pass, dtype and peer: median time over interleaved rounds, the peer/attnkit ratio
-taken round by round, effective GFLOP/s over visible pairs and as a % of this machine's matmul
-GFLOP/s, peak memory of the call (fresh child process; cases marked for it, or all with
+First the machine's physical limits are measured (:mod:`attnkit.bench.limits`, about a
+second: the float32 multiply-add rate of every thread, the ``vdpbf16ps`` rate on CPUs with
+AVX512-BF16, the copy bandwidth), and torch's matmul, time-bounded (not at all where its
+bfloat16 matmul is emulated); the first line says what they are. Per case, pass, dtype and
+peer: median time over interleaved rounds, the peer/attnkit ratio taken round by round,
+effective GFLOP/s over visible pairs, their roofline share of the limits ("% of limit": of
+the compute rate, or for decoding of the copy bandwidth) and of torch's matmul, peak memory
+of the call (fresh child process; cases marked for it, or all with
 ``--memory``), max error against a reference, and a note for anything not run. The JSON
 schema is in :mod:`attnkit.bench.report`. When stdout is not a terminal (``| tee``, CI) one
 line per finished case is printed as the run goes, instead of the progress bar. When another
 process competes for the cores (:func:`attnkit.bench.runner.assess_load`) a line above the
 table says so, and the JSON's ``contention`` entry holds the measurements. ``--contend N``
 starts N busy processes of its own for the duration of every case (:mod:`attnkit.bench.contend`),
-so the same table can be read on a machine made busy on purpose.
+so the same table can be read on a machine made busy on purpose. ``--budget S`` bounds the
+time the cases take (quick: :data:`QUICK_BUDGET_S` by default; 0: no bound): each case gets a
+share by its size, rounds stop and slow peers are left out when its share is spent, and the
+lines under the table say what was left out and why. Where torch's bfloat16 matmul is
+emulated, the naive and eager FlexAttention peers are left out in bfloat16 unless named in
+``--peers``.
 
 Layout: ``cases`` (catalog as data), ``peers`` (one adapter per implementation),
 ``workloads`` (inputs, dense spell-outs), ``flops``, ``timing``, ``accuracy``, ``memory``,
@@ -42,24 +53,28 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["DESCRIPTION", "QUICK_TIME", "SUITE_DEFAULTS", "add_arguments", "main",
-           "run_from_args"]
+__all__ = ["DESCRIPTION", "QUICK_TIME", "QUICK_BUDGET_S", "SUITE_DEFAULTS", "add_arguments",
+           "main", "run_from_args"]
 
-QUICK_TIME = "about 100 s on 2 cores"
-"""How long ``--suite quick`` takes on a fresh 2-core machine (measured: README, Benchmark)."""
+QUICK_TIME = "under 2 minutes on 2 cores"
+"""How long ``--suite quick`` takes on a 2-core machine, whatever its CPU (its time budget)."""
+
+QUICK_BUDGET_S = 90.0
+"""Seconds the quick suite's cases may take (``--budget``); start-up and the limits add ~10."""
 
 DESCRIPTION = (
     "Benchmark attnkit against torch SDPA, FlexAttention (eager and compiled) and a naive "
     "dense baseline, on the same inputs in the same run: median time, the peer/attnkit time "
-    "ratio, GFLOP/s and their share of this machine's matmul peak, peak memory and the error "
-    f"against a reference. Suites: quick ({QUICK_TIME}), standard (the README's figures), long "
-    "(standard plus 32k-64k contexts), compile (attnkit, SDPA and FlexAttention inside "
-    "torch.compile).")
+    "ratio, GFLOP/s and their share of this machine's physical limits (measured first: FMA, "
+    "bfloat16 dot, copy bandwidth) and of torch's matmul, peak memory and the error "
+    f"against a reference. Suites: quick ({QUICK_TIME}), standard (the benchmark pages' "
+    "figures), long (standard plus 32k-64k contexts), compile (attnkit, SDPA and "
+    "FlexAttention inside torch.compile).")
 """The ``--help`` description (plain text)."""
 
 SUITE_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "quick": {"dtypes": ["float32"], "peers": ["attnkit", "sdpa", "flex", "naive"],
-              "repeat": 3},
+              "repeat": 3, "budget_s": QUICK_BUDGET_S},
     "standard": {"dtypes": ["float32", "bfloat16"],
                  "peers": ["attnkit", "sdpa", "flex", "flex_compiled", "naive"], "repeat": 3},
     "long": {"dtypes": ["float32", "bfloat16"],
@@ -134,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``bench`` options to ``parser`` (the ``attnkit bench`` subcommand calls this)."""
     parser.add_argument("--suite", choices=tuple(SUITE_DEFAULTS), default="quick",
                         help=f"quick: {QUICK_TIME}, small shapes (default); standard: the "
-                             "README's figures (~20 min); long: standard plus 32k-64k "
+                             "benchmark pages' figures (~20 min); long: standard plus 32k-64k "
                              "contexts; compile: attention inside torch.compile")
     parser.add_argument("--dtype", dest="dtypes", type=_csv, default=None, metavar="LIST",
                         help="comma-separated dtypes, e.g. float32,bfloat16 "
@@ -178,6 +193,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "compute) during every case, to see which speed survives a busy "
                              "machine (default 0: none; the matmul peaks are measured "
                              "without them)")
+    parser.add_argument("--budget", dest="budget_s", type=_number(0, False), default=None,
+                        metavar="SECONDS",
+                        help="bound the time the cases take: each gets a share by its size; "
+                             "rounds stop and slow peers are left out (saying so) when it is "
+                             f"spent (default: quick {QUICK_BUDGET_S:g}, others none; 0: no "
+                             "bound)")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     parser.add_argument("--distributed", action="store_true",
                         help="instead of a suite: ring attention on 2 local gloo ranks (1 thread "
@@ -252,16 +273,23 @@ def run_from_args(args: argparse.Namespace) -> int:
         if missing:
             return _error(missing)
 
+    from .limits import native_bf16_matmul
     from .runner import Settings
 
     contend = getattr(args, "contend", 0)
     default_repeat, min_sample_s = sampling(defaults["repeat"], contend, args.min_sample_ms)
+    budget = getattr(args, "budget_s", None)
+    budget = defaults.get("budget_s") if budget is None else (budget or None)
+    # peers whose dense bfloat16 products run on torch's matmul (emulated on CPUs without
+    # native bfloat16: minutes a call); SDPA's CPU kernel converts to float32 and stays
+    emulated = (args.peers is None and "bfloat16" in dtypes and native_bf16_matmul() is False)
     settings = Settings(
         suite=args.suite, cases=cases, dtypes=dtypes, passes=passes, peers=peers,
         repeat=args.repeat, default_repeat=default_repeat, memory=args.memory,
         mem_budget_gib=args.mem_budget_gib, min_sample_s=min_sample_s,
         only=list(args.only or []), tune_malloc=getattr(args, "tune_malloc", True),
-        contend=contend)
+        contend=contend, budget_s=budget,
+        emulated_bf16_skip=tuple(p for p in ("naive", "flex") if p in peers) if emulated else ())
     doc, results = _run_with_progress(settings)
     if args.json:
         from .report import write_json
@@ -332,18 +360,29 @@ def _run_with_progress(settings: Any) -> tuple:
                                 time.perf_counter() - start), flush=True)
 
     if lines:
+        budget = (f"; time budget {settings.budget_s:g} s for the cases (--budget)"
+                  if settings.budget_s else "")
         print(f"attnkit bench: suite {settings.suite}, {total} case(s), "
               f"{', '.join(settings.dtypes)}, {', '.join(settings.passes)}, peers "
-              f"{', '.join(settings.peers)}; one line per finished case", flush=True)
+              f"{', '.join(settings.peers)}; one line per finished case{budget}", flush=True)
     err_console = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
                   transient=False, disable=lines) as progress:
+
+        def limits_done(limits: Any, mm: Any) -> None:
+            for text in (limits.line(), mm.line()):
+                if lines:
+                    print(text, flush=True)
+                else:
+                    progress.console.print(text, markup=False, highlight=False)
+
         task = progress.add_task("starting", total=runner.count_steps(settings))
         matmul, results = runner.run(
             settings,
             step=lambda text: progress.update(task, description=text),
-            advance=lambda: progress.advance(task), case_done=case_done)
+            advance=lambda: progress.advance(task), case_done=case_done,
+            limits_done=limits_done)
         progress.update(task, description="done")
     wall = time.perf_counter() - start
     machine = runner.machine_info()
@@ -351,17 +390,30 @@ def _run_with_progress(settings: Any) -> tuple:
         suite=settings.suite, created=created, wall_s=wall, machine=machine,
         matmul_gflops=matmul, settings=settings.to_json(),
         cases=[c.describe() for c in settings.cases], results=results,
-        contention=settings.load)
+        contention=settings.load,
+        limits=settings.limits.to_json() if settings.limits is not None else None,
+        matmul=({"size": settings.matmul.size, "skipped": settings.matmul.skipped,
+                 "seconds": settings.matmul.seconds} if settings.matmul is not None else None),
+        left_out=settings.left_out)
     if settings.bandwidth:
         doc["bandwidth"] = settings.bandwidth
     title = (f"attnkit bench, suite {settings.suite}: {machine['cpu']}, "
              f"{machine['threads']} threads, torch {machine['torch']}"
              + (f", --contend {settings.contend}" if settings.contend else ""))
     single = (settings.load or {}).get("matmul_float32_1_thread_gflops")
+    mm = settings.matmul
+    torch_mm = ", ".join(
+        [f"{name} {g:.0f} GFLOP/s at {mm.size[name]}^3" for name, g in matmul.items() if g]
+        + [f"{name} not timed (emulated)" for name in (mm.skipped if mm else {})])
     caption = "\n".join([
-        f"matmul 2048^3 this run: float32 {matmul['float32']:.0f} GFLOP/s"
-        + (f" ({single:.0f} on 1 thread)" if single else "")
-        + f", bfloat16 {matmul['bfloat16']:.0f} GFLOP/s; wall {wall:.0f} s",
+        (settings.limits.line() if settings.limits is not None else "limits: not measured")
+        + " (the better of before and after the cases)",
+        f"torch matmul this run: {torch_mm}"
+        + (f" (float32 {single:.0f} on 1 thread)" if single else "") + f"; wall {wall:.0f} s",
+        "% of limit: the roofline share, max(FLOPs / compute limit, K/V bytes / copy "
+        "bandwidth) / time; the compute limit is the float32 FMA rate (bfloat16: the "
+        "vdpbf16ps rate where the CPU has it); (copy): decoding, bound by memory; a pure "
+        "read can pass 100% of a copy",
         "ratio = peer time / attnkit time, median of per-round ratios (each peer run "
         "bracketed by attnkit runs); > 1 means attnkit is faster",
         "GFLOP/s count visible pairs only: fwd 2*B*H*Lq*Lk_vis*(dqk+dv), fwd+bwd 3.5x fwd",
@@ -375,6 +427,11 @@ def _run_with_progress(settings: Any) -> tuple:
     if warning:
         print(warning, flush=True)
     render_table(results, title=title, caption=caption)
+    left = runner.left_out_lines(settings)
+    if left:
+        print("left out (the JSON's left_out lists each one):", flush=True)
+        for line in left:
+            print(f"  {line}", flush=True)
     return doc, results
 
 

@@ -19,8 +19,9 @@ Shape legend (the same for every peer)::
 
 Suites:
 
-* ``quick``    -- small shapes (mostly L <= 1024), every workload once; about 100 s on 2 cores.
-* ``standard`` -- the suite the README's performance figures come from: B=1, H=8, d=64,
+* ``quick``    -- small shapes (mostly L <= 1024), every workload once; under 2 minutes on 2
+  cores, whatever the CPU (the cases share a time budget: ``attnkit bench --budget``).
+* ``standard`` -- the suite of the benchmark pages' figures (docs/benchmarks): B=1, H=8, d=64,
   L=4096..8192, a small call and a 32k-token memory check.
 * ``long``     -- ``standard`` plus long contexts (32k..64k tokens).
 """
@@ -278,7 +279,7 @@ CATALOG: Tuple[Case, ...] = (
          note="small call: fixed overheads"),
     Case("long_8k", heads_q=1, len_q=8192, causal=True, suites=_Q, repeat=2, memory=True,
          note="memory check, quick size"),
-    # ---- standard (the README's figures): B=1, H=8, d=64
+    # ---- standard (the benchmark pages' figures): B=1, H=8, d=64
     Case("dense_4k", len_q=4096, suites=_S),
     Case("causal_4k", len_q=4096, causal=True, suites=_S),
     Case("causal_br_1k_8k", len_q=1024, len_kv=8192, causal=True, diagonal="bottom_right",

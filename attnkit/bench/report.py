@@ -8,13 +8,30 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
       "created": "2026-11-29T11:30:00+00:00",        # UTC, ISO 8601
       "wall_s": 61.2,                                # whole run
       "machine": {"cpu": str, "threads": int, "cores": int|null, "torch": str,
-                  "python": str, "platform": str, "attnkit": str},
-      "matmul_gflops": {"float32": float, "bfloat16": float},   # 2048^3 matmul, same run
+                  "python": str, "platform": str, "attnkit": str,
+                  "cpu_features": [str],             # the /proc/cpuinfo flags that matter
+                  "native": {"flash": bool, "flash_bits": int, "flash_bf16": bool, ...,
+                             "flags": str},          # attnkit.native.build_info(); {} without
+                  "native_avx512": str,              # $ATTNKIT_NATIVE_AVX512 ("1" default)
+                  "torch_bf16_matmul_native": bool|null},
+      "limits": {                                    # the physical limits (bench.limits)
+          "threads": int, "fma_float32_gflops": float|null, "fma_bits": int|null,
+          "dot_bfloat16_gflops": float|null,         # vdpbf16ps; null without AVX512-BF16
+          "copy_gbps": float|null, "copy_source": str, "copy_mib": int,
+          "seconds": float,                          # measuring them took (before + after)
+          "notes": [str], "definitions": {str: str}} | null,
+      "matmul_gflops": {"float32": float|null, "bfloat16": float|null},  # torch, same run
+      "matmul": {"size": {dtype: int},               # n of the n^3 product timed
+                 "skipped": {dtype: str},            # not timed, and why (emulated)
+                 "seconds": float} | null,
+      "left_out": [str],                             # what the CPU and --budget left out
       "settings": {"dtypes": [str], "passes": [str], "peers": [str], "repeat": int|null,
                    "default_repeat": int, "memory": "auto"|"all"|"off",
                    "mem_budget_gib": float, "min_sample_s": float, "only": [str],
                    "malloc": {"mmap_threshold": int, "trim_threshold": int}|null,
-                   "contend": int},                  # --contend: busy processes started
+                   "contend": int,                   # --contend: busy processes started
+                   "budget_s": float|null,           # --budget: the cases' time bound
+                   "emulated_bf16_skip": [str]},     # peers left out in emulated bfloat16
       "contention": {                                # competing load (runner.assess_load)
           "cores": int|null, "threads": int, "load_avg_1m_before": float|null,
           "matmul_float32_1_thread_gflops": float|null, "matmul_float32_gflops": float|null,
@@ -35,6 +52,8 @@ JSON schema (``"schema": "attnkit.bench/1"``); every figure is also in the table
           "ratios": [float],               # the per-round ratios
           "gflops": float|null,            # visible-pair FLOPs / median_s / 1e9
           "pct_of_matmul": float|null,     # gflops / matmul_gflops[dtype] * 100
+          "pct_of_limit": float|null,      # roofline share of the limits (bench.limits)
+          "limit": "compute"|"copy"|null,  # which limit bounds this row
           "peak_mib": float|null,          # RSS growth of one call (fresh child); null = not run
           "max_err": float|null,           # max |out - ref|  (see attnkit.bench.accuracy)
           "grad_err": float|null,          # max |grad - ref grad| (fwd+bwd only)
@@ -63,6 +82,8 @@ SCHEMA = "attnkit.bench/1"
 RESULT_KEYS = ("case", "pass", "dtype", "peer", "status", "median_s", "times_s",
                "ratio_vs_attnkit", "ratios", "gflops", "pct_of_matmul", "peak_mib", "max_err",
                "grad_err", "reference", "compile_s", "flops", "note")
+#: result keys files written before the limits existed lack (written by every run now)
+OPTIONAL_RESULT_KEYS = ("pct_of_limit", "limit")
 TOP_KEYS = ("schema", "suite", "created", "wall_s", "machine", "matmul_gflops", "settings",
             "cases", "results")
 MACHINE_KEYS = ("cpu", "threads", "cores", "torch", "python", "platform", "attnkit")
@@ -84,6 +105,8 @@ class Result:
     ratios: List[float] = field(default_factory=list)
     gflops: Optional[float] = None
     pct_of_matmul: Optional[float] = None
+    pct_of_limit: Optional[float] = None
+    limit: Optional[str] = None
     peak_mib: Optional[float] = None
     max_err: Optional[float] = None
     grad_err: Optional[float] = None
@@ -99,14 +122,15 @@ class Result:
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> Result:
         """Rebuild a result from its JSON record (e.g. to re-plot a saved run)."""
-        fields = {k: v for k, v in d.items() if k in RESULT_KEYS and k != "pass"}
+        fields = {k: v for k, v in d.items()
+                  if k in RESULT_KEYS + OPTIONAL_RESULT_KEYS and k != "pass"}
         return cls(pass_=d["pass"], **fields)
 
     def to_json(self) -> Dict[str, Any]:
         """The JSON record (``pass_`` spelled ``pass``; non-finite numbers as null)."""
         d = asdict(self)
         d["pass"] = d.pop("pass_")
-        out = {k: _finite(d[k]) for k in RESULT_KEYS}
+        out = {k: _finite(d[k]) for k in RESULT_KEYS + OPTIONAL_RESULT_KEYS}
         for k in ("max_err", "grad_err"):
             v = d[k]
             if isinstance(v, float) and not math.isfinite(v):
@@ -126,12 +150,16 @@ def _finite(v: Any) -> Any:
 
 
 def build_report(*, suite: str, created: str, wall_s: float, machine: Dict[str, Any],
-                 matmul_gflops: Dict[str, float], settings: Dict[str, Any],
+                 matmul_gflops: Dict[str, Optional[float]], settings: Dict[str, Any],
                  cases: Sequence[Dict[str, Any]], results: Sequence[Result],
-                 contention: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                 contention: Optional[Dict[str, Any]] = None,
+                 limits: Optional[Dict[str, Any]] = None,
+                 matmul: Optional[Dict[str, Any]] = None,
+                 left_out: Sequence[str] = ()) -> Dict[str, Any]:
     """Assemble the JSON document (module docstring)."""
     return {"schema": SCHEMA, "suite": suite, "created": created, "wall_s": wall_s,
-            "machine": machine, "matmul_gflops": matmul_gflops, "settings": settings,
+            "machine": machine, "limits": limits, "matmul_gflops": matmul_gflops,
+            "matmul": matmul, "left_out": list(left_out), "settings": settings,
             "contention": contention, "cases": list(cases),
             "results": [r.to_json() for r in results]}
 
@@ -153,11 +181,15 @@ def validate(doc: Dict[str, Any]) -> List[str]:
                         "'reasons'")
     mm = doc.get("matmul_gflops", {})
     problems += [f"matmul_gflops lacks {k!r}" for k in ("float32", "bfloat16") if k not in mm]
+    lim = doc.get("limits")  # optional: files written before the limits existed lack it
+    if lim is not None and not (isinstance(lim, dict) and "fma_float32_gflops" in lim
+                                and "copy_gbps" in lim):
+        problems.append("limits must be null or have 'fma_float32_gflops' and 'copy_gbps'")
     for i, r in enumerate(doc.get("results", [])):
         lack = [k for k in RESULT_KEYS if k not in r]
         if lack:
             problems.append(f"results[{i}] lacks {lack}")
-        extra = [k for k in r if k not in RESULT_KEYS]
+        extra = [k for k in r if k not in RESULT_KEYS + OPTIONAL_RESULT_KEYS]
         if extra:
             problems.append(f"results[{i}] has unknown keys {extra}")
         if r.get("status") not in STATUSES:
@@ -187,7 +219,8 @@ def _fmt_ms(seconds: float) -> str:
 def progress_line(index: int, total: int, case: Any, results: Sequence[Result],
                   elapsed_s: float) -> str:
     """One line for a finished case (printed as the run goes when stdout is not a terminal):
-    attnkit's median per dtype and pass, and each peer's time ratio against it."""
+    attnkit's median per dtype and pass with its share of the limits (``pct_of_limit``),
+    and each peer's time ratio against it."""
     groups: Dict[tuple, List[Result]] = {}
     for r in results:
         groups.setdefault((r.dtype, r.pass_), []).append(r)
@@ -198,6 +231,8 @@ def progress_line(index: int, total: int, case: Any, results: Sequence[Result],
             text = "attnkit not run"
         elif subject.status == "ok" and subject.median_s is not None:
             text = f"attnkit {_fmt_ms(subject.median_s)}"
+            if subject.pct_of_limit is not None:
+                text += f" = {subject.pct_of_limit:.0f}% of the {subject.limit or 'compute'} limit"
         else:
             text = f"attnkit {subject.status}"
         peers = [f"{r.peer} {r.ratio_vs_attnkit:.2f}x" for r in rs
@@ -232,12 +267,18 @@ def table_rows(results: Sequence[Result]) -> List[List[str]]:
                  ".3g" if (r.median_s or 0) < 0.01 else ".1f"),
             _fmt_ratio(r),
             _fmt(r.gflops, ".1f"),
+            _fmt_limit(r),
             _fmt(r.pct_of_matmul, ".0f"),
             _fmt(r.peak_mib, ".0f"),
             _fmt_err(r),
             r.note,
         ])
     return rows
+
+
+def _fmt_limit(r: Result) -> str:
+    s = _fmt(r.pct_of_limit, ".0f")
+    return s + " (copy)" if r.limit == "copy" and r.pct_of_limit is not None else s
 
 
 def _fmt_err(r: Result) -> str:
@@ -248,7 +289,7 @@ def _fmt_err(r: Result) -> str:
 
 
 COLUMNS = ("case", "pass", "dtype", "peer", "median ms", "ratio vs attnkit", "GFLOP/s",
-           "% of matmul", "peak MiB", "max err (out / grad)", "note")
+           "% of limit", "% of matmul", "peak MiB", "max err (out / grad)", "note")
 
 
 def render_table(results: Sequence[Result], *, title: str, caption: str,
@@ -271,7 +312,7 @@ def render_table(results: Sequence[Result], *, title: str, caption: str,
             console = Console(width=200)
     table = Table(title=title, caption=caption, caption_justify="left", show_lines=False)
     for i, col in enumerate(COLUMNS):
-        right = 4 <= i <= 9
+        right = 4 <= i <= 10
         table.add_column(col, justify="right" if right else "left",
                          overflow="fold", max_width=48 if col == "note" else None)
     prev = None

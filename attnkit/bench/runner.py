@@ -25,6 +25,9 @@ from .accuracy import Reference, errors, reference
 from .cases import Case
 from .contend import Contention
 from .flops import flops
+from .limits import Limits, MatmulPeaks, cpu_features, native_bf16_matmul, torch_matmul
+from .limits import copy_gbps as native_copy_gbps
+from .limits import measure as measure_limits
 from .memory import measure_in_child
 from .peers import PEERS, SUBJECT, make_call
 from .report import Result
@@ -54,6 +57,18 @@ class Settings:
     bandwidth: List[Dict[str, Any]] = field(default_factory=list)  # paged cases, see kv_bandwidth
     load: Optional[Dict[str, Any]] = None  # what run() measured of competing load (assess_load)
     contend: int = 0  # busy background processes during the cases (--contend)
+    #: seconds the cases may take in all (None: no bound); each case gets a share by its size
+    budget_s: Optional[float] = None
+    #: peers left out in bfloat16 where torch's bfloat16 matmul is emulated (their dense
+    #: bfloat16 products would take minutes); empty when the user named the peers
+    emulated_bf16_skip: Tuple[str, ...] = ()
+    limits: Optional[Limits] = None  # what run() measured (the better of before and after)
+    matmul: Optional[MatmulPeaks] = None  # torch's matmul as run() timed it
+    #: what the run left out and why, one line each (the JSON; :func:`left_out_lines` sums
+    #: them up under the table)
+    left_out: List[str] = field(default_factory=list)
+    #: what the time budget cut: (case, dtype, pass, peer or None, "rounds"|"timing"|"memory")
+    cuts: List[Tuple[str, str, str, Optional[str], str]] = field(default_factory=list)
 
     def rounds(self, case: Case) -> int:
         """Timed rounds for ``case``."""
@@ -71,7 +86,8 @@ class Settings:
                 "repeat": self.repeat, "default_repeat": self.default_repeat,
                 "memory": self.memory, "mem_budget_gib": self.mem_budget_gib,
                 "min_sample_s": self.min_sample_s, "only": self.only,
-                "malloc": self.malloc, "contend": self.contend}
+                "malloc": self.malloc, "contend": self.contend, "budget_s": self.budget_s,
+                "emulated_bf16_skip": list(self.emulated_bf16_skip)}
 
 
 # --------------------------------------------------------------------------- machine
@@ -89,17 +105,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+#: the native build's facts recorded with every run (``attnkit.native.build_info()``)
+NATIVE_KEYS = ("flash", "flash_bits", "flash_bf16", "bf16_dot", "f16", "h16", "fp8_dot", "team",
+               "flags")
+
+
 def machine_info() -> Dict[str, Any]:
-    """The ``machine`` entry of the report."""
+    """The ``machine`` entry of the report: the CPU, its features that decide which kernels
+    run (``cpu_features``), the native build (``native``; empty without it), whether torch's
+    bfloat16 matmul is native, torch and the platform."""
     try:
         import attnkit
 
         version = getattr(attnkit, "__version__", "unknown")
     except ImportError:
         version = "unavailable"
+    try:
+        from attnkit import native
+
+        info = native.build_info() if native.available() else {}
+    except ImportError:
+        info = {}
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": sys.version.split()[0],
-            "platform": platform.platform(), "attnkit": version}
+            "platform": platform.platform(), "attnkit": version,
+            "cpu_features": cpu_features(),
+            "native": {k: info[k] for k in NATIVE_KEYS if k in info},
+            "native_avx512": os.environ.get("ATTNKIT_NATIVE_AVX512", "1"),
+            "torch_bf16_matmul_native": native_bf16_matmul()}
 
 
 def matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
@@ -116,22 +149,19 @@ def matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     return 2.0 * n ** 3 / min(times) / 1e9
 
 
-def memcpy_gbps(mib: int = 512, reps: int = 5) -> float:
-    """Copy bandwidth of this machine, now: ``bytes copied / s`` of ``dst.copy_(src)`` on a
-    ``mib`` MiB tensor, best of ``reps``, in GB/s (1e9 bytes).
+MEMCPY_DEFINITION = ("bytes copied / s by memcpy on every thread (attnkit's native peak "
+                     "kernel; torch's copy_ without it), 256 MiB buffers, best of the copies "
+                     "of a quarter second (traffic read+write = 2x)")
+
+
+def memcpy_gbps(mib: int = 256, reps: int = 2) -> float:
+    """Copy bandwidth of this machine, now: ``bytes copied / s`` between two ``mib`` MiB
+    buffers, in GB/s (1e9 bytes): :func:`attnkit.bench.limits.copy_gbps`, the best of the
+    copies of a quarter of a second, at least ``reps`` (:data:`MEMCPY_DEFINITION`).
 
     Each byte is read once and written once, so the memory traffic is twice this figure.
     """
-    n = (mib << 20) // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: fault the pages in
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return n * 4 / best / 1e9
+    return native_copy_gbps(mib=mib, least=reps)[0]
 
 
 def kv_bytes(case: Case, dtype: torch.dtype) -> int:
@@ -149,8 +179,7 @@ def kv_bandwidth(case: Case, dtype: torch.dtype, peer: str, median_s: float,
     gbps = nbytes / median_s / 1e9
     return {"case": case.name, "dtype": dtype_name(dtype), "peer": peer, "kv_bytes": nbytes,
             "median_s": median_s, "kv_gbps": gbps, "memcpy_gbps": copy_gbps,
-            "memcpy_definition": "bytes copied / s by dst.copy_(src), 512 MiB float32 "
-                                 "(traffic read+write = 2x)",
+            "memcpy_definition": MEMCPY_DEFINITION,
             "ratio_to_memcpy": gbps / copy_gbps if copy_gbps else None}
 
 
@@ -282,13 +311,13 @@ def contention_line(load: Optional[Dict[str, Any]]) -> Optional[str]:
               "machine for comparable figures")
 
 
-def _single_thread_gflops() -> Optional[float]:
+def _single_thread_gflops(n: int = 2048) -> Optional[float]:
     threads = torch.get_num_threads()
     if threads < 2:
         return None
     torch.set_num_threads(1)
     try:
-        return matmul_gflops(torch.float32, reps=3)
+        return matmul_gflops(torch.float32, n=n, reps=2)
     finally:
         torch.set_num_threads(threads)
 
@@ -333,7 +362,8 @@ def tune_malloc() -> Optional[Dict[str, int]]:
 Step = Callable[[str], None]
 
 
-def _fill_timing(r: Result, t: Any, peer_name: str, matmul: Dict[str, float]) -> None:
+def _fill_timing(r: Result, t: Any, peer_name: str, matmul: Dict[str, Optional[float]]
+                 ) -> None:
     r.times_s = list(t.times.get(peer_name, []))
     r.median_s = t.median_s(peer_name)
     r.ratios = t.ratios(peer_name)
@@ -343,6 +373,23 @@ def _fill_timing(r: Result, t: Any, peer_name: str, matmul: Dict[str, float]) ->
         peak = matmul.get(r.dtype)
         if peak:
             r.pct_of_matmul = 100.0 * r.gflops / peak
+
+
+def fill_shares(results: Sequence[Result], cases: Sequence[Case], limits: Optional[Limits],
+                matmul: Dict[str, Optional[float]]) -> None:
+    """Each timed row's share of the limits (``pct_of_limit``, the roofline of
+    :meth:`Limits.share` over its FLOPs and its K/V bytes; ``limit`` says which bound) and of
+    torch's matmul (``pct_of_matmul``, where that was timed)."""
+    by_name = {c.name: c for c in cases}
+    for r in results:
+        if r.gflops is None or not r.median_s:
+            continue
+        peak = matmul.get(r.dtype)
+        r.pct_of_matmul = 100.0 * r.gflops / peak if peak else None
+        case = by_name.get(r.case)
+        if limits is not None and case is not None:
+            r.pct_of_limit, r.limit = limits.share(r.flops, kv_bytes(case, dtype_of(r.dtype)),
+                                                   r.dtype, r.median_s)
 
 
 def _fill_errors(r: Result, ref: Reference, last: Any) -> None:
@@ -377,6 +424,11 @@ def _prepare(case: Case, pass_: str, w: Any, settings: Settings, step: Optional[
             r.status = "skipped"
             r.add_note(f"OOM-risk: needs ~{need / GIB:.1f} GiB > budget "
                        f"{settings.mem_budget_gib:g} GiB (--mem-budget)")
+        elif w.dtype == torch.bfloat16 and name in settings.emulated_bf16_skip:
+            r.status = "skipped"
+            r.add_note("torch's bfloat16 matmul is emulated on this CPU (about 1 GFLOP/s): "
+                       "this peer's dense bfloat16 products would take minutes; name it in "
+                       "--peers to run it anyway")
         else:
             for remark in peer.remarks(case, pass_):
                 r.add_note(remark)
@@ -391,9 +443,13 @@ def _prepare(case: Case, pass_: str, w: Any, settings: Settings, step: Optional[
 
 
 def _measure_memory(case: Case, pass_: str, dtype: Any, rows: Dict[str, Result],
-                    step: Optional[Step]) -> None:
+                    step: Optional[Step], clock: Optional[_GroupClock] = None) -> None:
     for name, r in rows.items():
         if r.status != "ok":
+            continue
+        if clock is not None and clock.spent() and name != SUBJECT:
+            r.add_note("peak memory not measured: the time budget's share for this case was "
+                       "spent")
             continue
         if step:
             step(f"{case.name} {r.dtype} {pass_}: peak memory of {name} (child process)")
@@ -405,12 +461,16 @@ def _measure_memory(case: Case, pass_: str, dtype: Any, rows: Dict[str, Result],
             r.add_note(f"memory: {m.method} (lower bound)")
 
 
-def run_case(case: Case, settings: Settings, matmul: Dict[str, float],
+def run_case(case: Case, settings: Settings, matmul: Dict[str, Optional[float]],
              step: Optional[Step] = None, advance: Optional[Callable[[], None]] = None,
-             ) -> List[Result]:
-    """Every (dtype, pass, peer) result of one case."""
+             deadline: Optional[float] = None) -> List[Result]:
+    """Every (dtype, pass, peer) result of one case; ``deadline`` (a ``time.perf_counter()``
+    time) bounds its timing (:func:`attnkit.bench.timing.interleave`), shared out over its
+    (dtype, pass) groups as they come by :data:`PASS_COST`, and its memory measurements."""
     results: List[Result] = []
     passes = [p for p in settings.passes if p in case.passes]
+    runs = [name for name in settings.dtypes if case.dtypes is None or name in case.dtypes]
+    clock = _GroupClock(deadline, [PASS_COST[p] for _ in runs for p in passes])
     for name in settings.dtypes:
         if case.dtypes is not None and name not in case.dtypes:
             for pass_ in passes:
@@ -421,14 +481,44 @@ def run_case(case: Case, settings: Settings, matmul: Dict[str, float],
                 if advance:
                     advance()
             continue
-        results += _run_dtype(case, dtype_of(name), passes, settings, matmul, step, advance)
+        results += _run_dtype(case, dtype_of(name), passes, settings, matmul, step, advance,
+                              clock)
         gc.collect()
     return results
 
 
+#: what a pass costs beside the forward (the peers' backward is 2-2.5 forwards)
+PASS_COST = {"fwd": 1.0, "fwd+bwd": 3.5}
+
+
+class _GroupClock:
+    """A case's deadline shared out over its (dtype, pass) groups as they come, by their
+    ``weights``: each group may use its weight's part of the time left (what one leaves,
+    the next may use)."""
+
+    def __init__(self, deadline: Optional[float], weights: List[float]) -> None:
+        self.deadline, self.weights = deadline, list(weights) or [1.0]
+        self.share_s = 0.0 if deadline is None else max(0.0, deadline - time.perf_counter())
+
+    def next(self) -> Optional[float]:
+        """The deadline of the next group."""
+        if self.deadline is None:
+            return None
+        now = time.perf_counter()
+        part = self.weights[0] / sum(self.weights)
+        if len(self.weights) > 1:
+            self.weights.pop(0)
+        return now + max(0.0, self.deadline - now) * part
+
+    def spent(self) -> bool:
+        """Whether the case's deadline has passed."""
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+
 def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Settings,
-               matmul: Dict[str, float], step: Optional[Step],
-               advance: Optional[Callable[[], None]]) -> List[Result]:
+               matmul: Dict[str, Optional[float]], step: Optional[Step],
+               advance: Optional[Callable[[], None]],
+               clock: Optional[_GroupClock] = None) -> List[Result]:
     w = make_workload(case, dtype)
     ref: Optional[Reference] = None
     ref_error: Optional[str] = None
@@ -440,7 +530,16 @@ def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Sett
         t = interleave(fns, subject=subject, rounds=settings.rounds(case), warmup=case.warmup,
                        min_sample_s=settings.min_sample_s,
                        max_rounds={n: PEERS[n].max_rounds for n in fns if PEERS[n].max_rounds},
-                       on_step=(lambda n, label=label: step(f"{label}: {n}")) if step else None)
+                       on_step=(lambda n, label=label: step(f"{label}: {n}")) if step else None,
+                       deadline=clock.next() if clock is not None else None)
+        for name, why in t.cut.items():
+            rows[name].add_note(f"{why} (--budget {settings.budget_s:g} s: "
+                                f"{clock.share_s if clock else 0.0:.1f} s for this case)")
+            if name not in t.times:
+                rows[name].status = "skipped"
+            settings.left_out.append(f"{case.name} {dtype_name(dtype)} {pass_} {name}: {why}")
+            settings.cuts.append((case.name, dtype_name(dtype), pass_, name,
+                                  "timing" if name not in t.times else "rounds"))
         if ref is None and ref_error is None and t.last:
             if step:
                 step(f"{label}: reference")
@@ -470,7 +569,15 @@ def _run_dtype(case: Case, dtype: torch.dtype, passes: List[str], settings: Sett
         t.last.clear()
         gc.collect()
         if settings.measure_memory(case):
-            _measure_memory(case, pass_, dtype, rows, step)
+            if clock is not None and clock.spent():
+                why = "peak memory not measured: the time budget's share for this case was spent"
+                for r in rows.values():
+                    if r.status == "ok":
+                        r.add_note(f"{why} (--budget {settings.budget_s:g} s)")
+                settings.left_out.append(f"{case.name} {dtype_name(dtype)} {pass_}: {why}")
+                settings.cuts.append((case.name, dtype_name(dtype), pass_, None, "memory"))
+            else:
+                _measure_memory(case, pass_, dtype, rows, step, clock)
         results.extend(rows.values())
         if advance:
             advance()
@@ -509,14 +616,62 @@ def count_steps(settings: Settings) -> int:
 CaseDone = Callable[[Case, List[Result]], None]
 
 
+def case_weights(settings: Settings) -> List[float]:
+    """Each case's weight in the time budget: the square root of its dense work (all
+    ``B * Hq * Lq * Lk`` pairs, which the dense peers compute whatever the mask), over the
+    passes and dtypes it runs, and at least half the mean weight: big cases get more time,
+    small ones enough for their fixed costs."""
+    weights = []
+    for case in settings.cases:
+        dense = case.pairs * (case.d_qk + case.dv) * 2.0
+        total = sum(PASS_COST[p] * dense for p in settings.passes if p in case.passes)
+        runs = sum(1 for d in settings.dtypes if case.dtypes is None or d in case.dtypes)
+        weights.append(math.sqrt(max(total * runs, 1e6)))
+    floor = 0.5 * sum(weights) / max(1, len(weights))  # fixed costs: preparing, references
+    return [max(w, floor) for w in weights]
+
+
+def _deadlines(settings: Settings) -> Callable[[int], Optional[float]]:
+    """``deadline(i)``: the ``perf_counter`` time case ``i`` should end by, its share (by
+    :func:`case_weights`) of what is left of the budget when it starts; None without one."""
+    if not settings.budget_s:
+        return lambda i: None
+    start = time.perf_counter()
+    weights = case_weights(settings)
+
+    def deadline(i: int) -> float:
+        now = time.perf_counter()
+        left = max(0.0, settings.budget_s - (now - start))
+        return now + left * weights[i] / sum(weights[i:])
+
+    return deadline
+
+
+def peaks(step: Optional[Step] = None, sizes: Optional[Dict[str, int]] = None
+          ) -> Tuple[Limits, MatmulPeaks]:
+    """The limits and torch's matmul, measured now (time-bounded: see
+    :mod:`attnkit.bench.limits`); ``sizes`` times torch's matmul again at those sizes."""
+    if step:
+        step("limits: float32 FMA, bfloat16 dot, copy bandwidth (native, ~1 s)")
+    lim = measure_limits()
+    if step:
+        step("torch matmul (time-bounded)")
+    return lim, torch_matmul(sizes=sizes)
+
+
 def run(settings: Settings, *, step: Optional[Step] = None,
         advance: Optional[Callable[[], None]] = None, case_done: Optional[CaseDone] = None,
-        ) -> Tuple[Dict[str, float], List[Result]]:
-    """Measure the matmul peaks, then run every case: ``(matmul_gflops, results)``.
+        limits_done: Optional[Callable[[Limits, MatmulPeaks], None]] = None,
+        ) -> Tuple[Dict[str, Optional[float]], List[Result]]:
+    """Measure the limits and torch's matmul, then run every case: ``(matmul_gflops,
+    results)`` (None for a dtype whose matmul was not timed: emulated).
 
-    ``case_done(case, its_results)`` is called as each case finishes. ``settings.load``
-    receives :func:`assess_load`'s record of competing load (load average before, matmul
-    thread scaling, other processes' CPU over the run).
+    ``limits_done(limits, matmul)`` is called once they are measured, ``case_done(case,
+    its_results)`` as each case finishes. ``settings.limits`` and ``settings.matmul`` receive
+    the better of the measurements before and after the cases, ``settings.load``
+    :func:`assess_load`'s record of competing load (load average before, matmul thread
+    scaling, other processes' CPU over the run), ``settings.left_out`` what the time budget
+    and the CPU left out.
     """
     if settings.tune_malloc:
         settings.malloc = tune_malloc()
@@ -525,34 +680,68 @@ def run(settings: Settings, *, step: Optional[Step] = None,
     except (OSError, AttributeError):
         load_avg = None
     start = cpu_sample()
-    if step:
-        step("matmul peak (2048^3, float32 and bfloat16)")
-    names = ("float32", "bfloat16")
-    matmul = {name: matmul_gflops(dtype_of(name)) for name in names}
+    limits, mm = peaks(step)
+    for name, why in mm.skipped.items():
+        settings.left_out.append(f"torch matmul {name}: {why}")
+    if limits_done:
+        limits_done(limits, mm)
     if step:
         step("matmul float32 on one thread (thread scaling)")
-    single = _single_thread_gflops()
-    first_f32 = matmul["float32"]
+    single = _single_thread_gflops(mm.size.get("float32", 2048))
+    first_f32 = mm.gflops.get("float32")
+    matmul = dict(mm.gflops)
     results: List[Result] = []
-    with Contention(settings.contend):  # (the matmul peaks are measured without it)
-        for case in settings.cases:
-            done = run_case(case, settings, matmul, step=step, advance=advance)
+    deadline = _deadlines(settings)
+    with Contention(settings.contend):  # (the limits and matmul peaks are measured without it)
+        for i, case in enumerate(settings.cases):
+            done = run_case(case, settings, matmul, step=step, advance=advance,
+                            deadline=deadline(i))
+            fill_shares(done, [case], limits, matmul)
             results.extend(done)
             if case_done:
                 case_done(case, done)
     if step:
-        step("matmul peak again (the peak is the better of the two)")
-    again = {name: matmul_gflops(dtype_of(name)) for name in names}
+        step("limits and matmul again (each the better of the two)")
+    again, mm_again = peaks(sizes=mm.size)
     settings.load = assess_load(cores=len(usable_cpus()), threads=torch.get_num_threads(),
                                 load_avg=load_avg, single_gflops=single,
                                 multi_gflops=first_f32, others_cores=others_cpu_cores(
                                     start, cpu_sample()), contend=settings.contend)
-    if any(again[n] > matmul[n] for n in names):
-        matmul = {n: max(matmul[n], again[n]) for n in names}
-        for r in results:
-            if r.gflops is not None and matmul.get(r.dtype):
-                r.pct_of_matmul = 100.0 * r.gflops / matmul[r.dtype]
+    settings.limits = limits.better(again)
+    for name, g in mm_again.gflops.items():
+        if g is not None and (matmul.get(name) is None or g > matmul[name]):
+            matmul[name] = g
+    mm.gflops, mm.seconds = dict(matmul), mm.seconds + mm_again.seconds
+    settings.matmul = mm
+    fill_shares(results, settings.cases, settings.limits, matmul)
     return matmul, results
+
+
+def left_out_lines(settings: Settings) -> List[str]:
+    """What the run left out, summed up for the lines under the table: the time budget's
+    cuts (peers not timed, by case; rows with fewer rounds; memory not measured) and every
+    other entry of ``settings.left_out`` (torch's emulated matmul ...) as it is."""
+    lines = []
+    if settings.cuts:
+        untimed: Dict[str, List[str]] = {}
+        for case, dtype, pass_, peer, kind in settings.cuts:
+            if kind == "timing":
+                which = f"{dtype} {pass_}" if len(settings.dtypes) > 1 else pass_
+                untimed.setdefault(case, []).append(f"{peer} {which}")
+        rounds = sum(1 for c in settings.cuts if c[4] == "rounds")
+        memory = sorted({f"{c[0]} {c[2]}" for c in settings.cuts if c[4] == "memory"})
+        head = f"the time budget (--budget {settings.budget_s:g} s; 0 for none)"
+        if untimed:
+            lines.append(f"{head} left untimed: " + "; ".join(
+                f"{case}: {', '.join(what)}" for case, what in untimed.items()))
+        if rounds:
+            lines.append(f"{head} cut the rounds of {rounds} row(s) (see their notes)")
+        if memory:
+            lines.append(f"{head} left the peak memory of {', '.join(memory)} unmeasured")
+    cut = {f"{c[0]} {c[1]} {c[2]}" for c in settings.cuts}
+    lines += [x for x in settings.left_out if not any(x.startswith(k + " ") or
+                                                     x.startswith(k + ":") for k in cut)]
+    return lines
 
 
 def summary_lines(results: Sequence[Result]) -> List[str]:

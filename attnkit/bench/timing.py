@@ -18,6 +18,13 @@ attnkit is faster.
 A sample is the mean of ``inner`` back-to-back calls, with ``inner`` chosen in the warm-up so
 that a sample lasts at least ``min_sample_s`` (small calls are shorter than timer and
 scheduling noise).
+
+With a ``deadline`` (a time budget, :class:`attnkit.bench.runner.Settings`), a warm-up call of
+at least ``slow_call_s`` is that callable's first sample (one-time costs are small beside such
+a call), a peer whose warm-up would start after the deadline is left out, and rounds stop
+when the next would end after it (every callable that ran keeps at least one sample); the
+closing subject run is skipped then too, and the last ratio pairs with its own round's
+subject sample. ``Timings.cut`` says what was left out.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class Timings:
     errors: Dict[str, BaseException] = field(default_factory=dict)
     last: Dict[str, Any] = field(default_factory=dict)
     subject: Optional[str] = None
+    #: what the deadline left out, by callable: rounds not run, or the whole timing
+    cut: Dict[str, str] = field(default_factory=dict)
 
     def median_s(self, name: str) -> Optional[float]:
         """Median seconds per call of ``name``."""
@@ -105,6 +114,8 @@ def interleave(
     clock: Clock = time.perf_counter,
     on_step: Optional[Callable[[str], None]] = None,
     max_rounds: Optional[Dict[str, int]] = None,
+    deadline: Optional[float] = None,
+    slow_call_s: float = 1.0,
 ) -> Timings:
     """Time ``fns`` round-robin, subject first, with a closing subject run (module docstring).
 
@@ -112,6 +123,7 @@ def interleave(
     ``Timings.errors``; the others carry on. ``Timings.last[name]`` is the result of the last
     call (used for the error check). ``on_step(name)`` is called before each sample.
     ``max_rounds[name]`` caps the rounds of a peer (it sits out the later ones).
+    ``deadline`` (a ``clock()`` time) bounds the timing as the module docstring says.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1; got {rounds}")
@@ -134,13 +146,23 @@ def interleave(
         t.last[name] = res
         return dt
 
+    caps = max_rounds or {}
+    counted = set()  # (with a deadline) the warm-up call was the first sample
     for name in list(alive):
         t.inner[name] = 1
+        if deadline is not None and name != subject and clock() > deadline:
+            alive.remove(name)
+            t.cut[name] = "not timed: the time budget's share for this case was spent"
+            continue
         if warmup:
             first = run(name, 1)
             if first is None:
                 continue
             t.first_call_s[name] = first
+            if deadline is not None and first >= slow_call_s:
+                t.times[name] = [first]
+                counted.add(name)
+                continue
             probe = first
             if first < 10 * min_sample_s:  # a cheap call: calibrate on a second, warm one
                 probe = run(name, 1)
@@ -150,17 +172,36 @@ def interleave(
             t.inner[name] = int(min(max_inner, max(1, want)))
         t.times[name] = []
 
-    caps = max_rounds or {}
+    def cost(name: str) -> float:  # seconds one sample of name takes, as last measured
+        ts = t.times.get(name) or [t.first_call_s.get(name, 0.0)]
+        return ts[-1] * t.inner[name]
+
+    stopped = None
     for r in range(rounds):
-        for name in order:
-            if name in alive and (name == subject or r < caps.get(name, rounds)):
-                dt = run(name, t.inner[name])
-                if dt is not None:
-                    t.times[name].append(dt)
-    if subject is not None and subject in alive and len(order) > 1:
+        due = [n for n in order if n in alive and (n == subject or r < caps.get(n, rounds))
+               and not (r == 0 and n in counted)]
+        if deadline is not None and r >= 1 and clock() + sum(map(cost, due)) > deadline:
+            stopped = r
+            break
+        for name in due:
+            dt = run(name, t.inner[name])
+            if dt is not None:
+                t.times[name].append(dt)
+    closing = subject is not None and subject in alive and len(order) > 1
+    if closing and deadline is not None and clock() + cost(subject) > deadline:
+        closing = False
+        stopped = rounds if stopped is None else stopped
+    if closing:
         dt = run(subject, t.inner[subject])
         if dt is not None:
             t.times[subject].append(dt)
+    if stopped is not None:
+        for name in alive:
+            want = rounds if name == subject else min(rounds, caps.get(name, rounds))
+            got = len(t.times.get(name, []))
+            if got < want:
+                t.cut[name] = (f"{got} of {want} round(s): the time budget's share for this "
+                               f"case was spent")
     if not warmup:
         for name, ts in t.times.items():
             if ts:
