@@ -537,16 +537,10 @@ def write() -> List[str]:
 
 def cpu_features() -> List[str]:
     """The flags of :data:`CPU_FLAGS` this machine's ``/proc/cpuinfo`` reports."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("flags", "Features"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in CPU_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
+    from attnkit.native.build import cpu_flags
+
+    have = cpu_flags()
+    return [flag for flag in CPU_FLAGS if flag in have]
 
 
 def git_commit() -> Optional[str]:

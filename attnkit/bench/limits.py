@@ -64,16 +64,10 @@ _DOT_OPERAND = 0x3A83
 
 def cpu_features() -> List[str]:
     """This CPU's flags among :data:`FEATURES` (``/proc/cpuinfo``); empty where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("flags", "Features"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [x for x in FEATURES if x in have]
-    except OSError:
-        pass
-    return []
+    from ..native.build import cpu_flags
+
+    have = cpu_flags()
+    return [x for x in FEATURES if x in have]
 
 
 @dataclass

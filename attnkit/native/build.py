@@ -122,8 +122,8 @@ def source_digest(source: Optional[bytes] = None) -> str:
 
 
 def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
-    """The feature flags this CPU reports (``/proc/cpuinfo``'s ``flags`` line, or the text
-    ``cpuinfo`` given); empty where there is no such file (not Linux)."""
+    """The feature flags this CPU reports (``/proc/cpuinfo``'s ``flags`` line, ``Features`` on
+    ARM, or the text ``cpuinfo`` given); empty where there is no such file (not Linux)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
@@ -132,7 +132,7 @@ def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
             return frozenset()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
+        if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
 
