@@ -539,7 +539,7 @@ def cpu_features() -> List[str]:
     """The flags of :data:`CPU_FLAGS` this machine's ``/proc/cpuinfo`` reports."""
     from attnkit.native.build import cpu_flags
 
-    have = cpu_flags()
+    have = cpu_flags(keys=("flags", "Features"))
     return [flag for flag in CPU_FLAGS if flag in have]
 
 

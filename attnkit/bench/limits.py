@@ -66,7 +66,7 @@ def cpu_features() -> List[str]:
     """This CPU's flags among :data:`FEATURES` (``/proc/cpuinfo``); empty where unreadable."""
     from ..native.build import cpu_flags
 
-    have = cpu_flags()
+    have = cpu_flags(keys=("flags", "Features"))
     return [x for x in FEATURES if x in have]
 
 

@@ -121,9 +121,11 @@ def source_digest(source: Optional[bytes] = None) -> str:
     return hashlib.sha256(source).hexdigest()
 
 
-def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
-    """The feature flags this CPU reports (``/proc/cpuinfo``'s ``flags`` line, ``Features`` on
-    ARM, or the text ``cpuinfo`` given); empty where there is no such file (not Linux)."""
+def cpu_flags(cpuinfo: Optional[str] = None, keys: Tuple[str, ...] = ("flags",)
+              ) -> FrozenSet[str]:
+    """The feature flags this CPU reports (``/proc/cpuinfo``'s ``flags`` line, or the first
+    line of ``keys``, e.g. ARM's ``Features`` too; or in the text ``cpuinfo`` given); empty
+    where there is no such file (not Linux)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
@@ -132,7 +134,7 @@ def cpu_flags(cpuinfo: Optional[str] = None) -> FrozenSet[str]:
             return frozenset()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
+        if key.strip() in keys:
             return frozenset(value.split())
     return frozenset()
 
