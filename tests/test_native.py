@@ -696,3 +696,31 @@ def test_few_rows_with_masks_mix_native_and_fused_pieces(kw, small_tiles, monkey
         _check(out, lse, ref, ref_lse, None)
         for g, r in zip(torch.autograd.grad(out.sum(), (q, k, v)), rgrads):
             assert (g.double() - r).abs().max() < 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16], ids=["q_f32", "q_bf16"])
+def test_every_fp8_byte_reaches_the_sums_exactly(fmt, qdtype, monkeypatch):
+    """Every fp8 byte through the kernel's page loads (each build converts 16 or more a time in
+    registers), as torch converts it. A sequence of one key gives that key weight 1, so the
+    output is its value row: all 256 bytes, NaN and inf included, element for element. With a
+    one-hot query row (scale 1) the LSE of one key is its score: each finite key byte."""
+    every = torch.arange(256, dtype=torch.uint8).view(fmt)
+    finite = every[every.float().isfinite()]
+    d = 16 * -(-finite.numel() // 16)  # the finite bytes, zero-padded to whole blocks of 16
+    kp = torch.zeros(1, 1, 1, d, dtype=fmt)
+    kp[0, 0, 0, : finite.numel()] = finite
+    vp = every.view(1, 1, 1, 256)
+    q = torch.eye(d)[: finite.numel()].view(-1, 1, 1, d).to(qdtype)  # (B, Hq=1, Lq=1, d)
+    table = torch.zeros(q.shape[0], 1, dtype=torch.int32)
+    lens = torch.ones(q.shape[0], dtype=torch.int32)
+    calls = spy(monkeypatch, native, "paged_decode")
+    out, lse = paged_attention_blocks(q, kp, vp, table, lens, return_lse=True, scale=1.0,
+                                      k_descale=1.0, v_descale=1.0, backend="decode")
+    assert calls == ["paged_decode"]  # the kernel read the pages
+    want = every.float().expand(q.shape[0], 256)
+    got = out.float().view(q.shape[0], 256)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+    assert torch.equal(lse.view(-1), finite.float())

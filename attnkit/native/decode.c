@@ -11,7 +11,7 @@
  * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
  * token-major, so this reads each page front to back). Every key row is read once and dotted
  * with all the query rows of its kv head (G * Lq rows for GQA); scores, the online softmax and
- * the P V accumulation are float32 (the softmax 16 lanes at a time), except for e4m3 pages
+ * the P V accumulation are float32 (in vectors of one register: ak_vn), except for e4m3 pages
  * with bfloat16 queries on a CPU with AVX512-FP16, whose products and short sums are float16
  * (AK_H16, at e4m3_h16: twice the multiply-adds a cycle, within FlashAttention's rule).
  * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
@@ -56,12 +56,18 @@ typedef uint8_t ak_vu8 __attribute__((vector_size(16)));
 #ifdef __FLT16_MAX__
 typedef _Float16 ak_vh __attribute__((vector_size(32)));
 #endif
-#ifdef __AVX512F__
+/* AVX2 without AVX-512 (with F16C, which every AVX2 CPU has): the score and P V loops in
+ * 8-lane registers through intrinsics (see AK_N) */
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define AK_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(AK_AVX2)
 #include <immintrin.h>
 #endif
 
-/* 16 float16 bit patterns as float32: vcvtph2ps where there is AVX-512 (GCC scalarises the
- * vector-extension conversion), else the compiler's conversion; 0 without _Float16. */
+/* 16 float16 bit patterns as float32: vcvtph2ps where there is AVX-512 or F16C (GCC
+ * scalarises the vector-extension conversion), else the compiler's conversion; 0 without
+ * _Float16. */
 AK_INLINE ak_vf half_to_float(ak_vu16 h) {
     ak_vf f;
 #if defined(__AVX512F__)
@@ -69,6 +75,11 @@ AK_INLINE ak_vf half_to_float(ak_vu16 h) {
     memcpy(&hi, &h, sizeof hi);
     const __m512 x = _mm512_cvtph_ps(hi);
     memcpy(&f, &x, sizeof f);
+#elif defined(AK_AVX2)
+    __m128i half[2];
+    memcpy(half, &h, sizeof half);
+    const __m256 x[2] = {_mm256_cvtph_ps(half[0]), _mm256_cvtph_ps(half[1])};
+    memcpy(&f, x, sizeof f);
 #elif defined(__FLT16_MAX__)
     ak_vh hf;
     memcpy(&hf, &h, sizeof hf);
@@ -207,6 +218,103 @@ AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t
     out[3 * os] = x[12];
 }
 
+/* ---- the vectors of the score, softmax and P V loops -------------------------------------
+ * ak_vn (vecmath.h): AK_N float32 lanes, one register: 16 with AVX-512, 8 with AVX2, whose 16
+ * registers of 8 lanes the 16-lane vectors took two at a time (and spilled). Rows are read
+ * 16 elements (AK_W) at a time, as AK_NB vectors: load_w. */
+#ifdef AK_AVX2
+/* bfloat16 pages are read as each 16 elements' even ones, then its odd ones (AK_EVEN_ODD):
+ * one 32-byte load, a shift and a mask, half the instructions of widening the 16-bit lanes
+ * in order (whose vpmovzxwd crosses the register's 128-bit halves: three cycles on one pipe
+ * in llvm-mca's Zen 3 model). The query rows and the P V sums of such a call are kept in
+ * that order too, and the sums put back in order at the end. */
+#define AK_EVEN_ODD(dtype) ((dtype) == AK_BF16)
+
+/* 16 fp8 bytes at p as the float16 patterns load16 makes of them, in order: each byte to the
+ * high byte of its 16-bit lane (one 16-byte broadcast and a byte shuffle within each half),
+ * then for e4m3 an arithmetic shift that puts the sign in bit 15 and the rest below it, and
+ * the NaN bytes to a float16 NaN */
+AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
+    const __m256i b =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
+    const __m256i high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,
+                                          -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
+                                          -1, 15);
+    const __m256i w = _mm256_shuffle_epi8(b, high); /* byte i << 8 in lane i */
+    if (dtype == AK_E5M2) return w;
+    const __m256i h =
+        _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF));
+    /* w + w keeps the byte's low 7 bits alone: all ones iff NaN */
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_add_epi16(w, w),
+                                           _mm256_set1_epi16((short)0xFE00));
+    return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
+}
+
+/* 16 elements at p as two 8-lane vectors, the values load16 gives (bfloat16: AK_EVEN_ODD) */
+AK_INLINE void load_w(const char *p, int dtype, ak_vn x[AK_NB]) {
+    const __m128i *p128 = (const __m128i *)(const void *)p;
+    __m256 f[2];
+    if (dtype == AK_F32) {
+        f[0] = _mm256_loadu_ps((const float *)(const void *)p);
+        f[1] = _mm256_loadu_ps((const float *)(const void *)p + 8);
+    } else if (dtype == AK_BF16) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)p);
+        f[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        f[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else if (dtype == AK_F16) {
+        f[0] = _mm256_cvtph_ps(_mm_loadu_si128(p128));
+        f[1] = _mm256_cvtph_ps(_mm_loadu_si128(p128 + 1));
+    } else {
+        const __m256i h = fp8_half16(p, dtype);
+        f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    }
+    memcpy(x, f, sizeof f);
+}
+#else
+#define AK_EVEN_ODD(dtype) 0
+
+AK_INLINE void load_w(const char *p, int dtype, ak_vn x[AK_NB]) {
+    const ak_vf f = load16(p, dtype);
+    memcpy(x, &f, sizeof f);
+}
+#endif
+
+/* x (16 lanes) in the order AK_EVEN_ODD reads a row in: its even lanes, then its odd ones */
+AK_INLINE ak_vf even_odd(ak_vf x) {
+    return __builtin_shufflevector(x, x, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+#if AK_N == 16
+AK_INLINE float hsumn(ak_vn v) { return hsum(v); }
+
+/* out[g * os] = the sum of a[g]'s lanes, g < 4 */
+AK_INLINE void hsum4n(const ak_vn a[4], float *out, int64_t os) {
+    hsum4(a[0], a[1], a[2], a[3], out, os);
+}
+#else
+AK_INLINE float hsumn(ak_vn v) {
+    const ak_v4 s4 = __builtin_shufflevector(v, v, 0, 1, 2, 3)
+                     + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* adjacent lanes of x and y added, as vhaddps does: x0+x1, x2+x3, y0+y1, y2+y3, then the same
+ * of the high halves */
+#define AK_HADD8(X, Y)                                                                     \
+    (__builtin_shufflevector(X, Y, 0, 2, 8, 10, 4, 6, 12, 14)                              \
+     + __builtin_shufflevector(X, Y, 1, 3, 9, 11, 5, 7, 13, 15))
+
+/* out[g * os] = the sum of a[g]'s lanes, g < 4: pairs of lanes, then quarters, then halves */
+AK_INLINE void hsum4n(const ak_vn a[4], float *out, int64_t os) {
+    const ak_v8 u = AK_HADD8(AK_HADD8(a[0], a[1]), AK_HADD8(a[2], a[3]));
+    const ak_v4 x = __builtin_shufflevector(u, u, 0, 1, 2, 3)
+                    + __builtin_shufflevector(u, u, 4, 5, 6, 7);
+    for (int g = 0; g < 4; ++g) out[g * os] = x[g];
+}
+#undef AK_HADD8
+#endif
+
 /* The next chunk's rows of one kv head, asked for into L2 a token at a time while this chunk
  * is computed: row[t] is chunk column t's K (or V) row of kv head 0 (NULL past the next
  * chunk's end), off the head's offset and bytes a row's length, in bytes. A burst of
@@ -229,43 +337,58 @@ AK_INLINE void ahead_all(const ak_ahead *a, int64_t n) {
     for (int64_t t = 0; t < n; ++t) ahead(a, t);
 }
 
-/* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (accumulators in registers) */
+/* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (q from L1: for larger D they do not
+ * fit in registers), the sums of each native vector of 16 elements apart: eight chains of
+ * multiply-adds in flight with AVX2 (the sums of 4 rows alone left the loop waiting on their
+ * latency); AVX-512's four 16-lane sums fill its two units as they are */
 AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
                       int64_t os) {
     const int esz = AK_ESZ(dtype);
-    ak_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    ak_vn a[4][AK_NB];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < AK_NB; ++j) a[g][j] = splatn(0.0f);
     for (int64_t d = 0; d < D; d += AK_W) {
-        const ak_vf kb = load16(k + d * esz, dtype);
-        ak_vf q0, q1, q2, q3;
-        memcpy(&q0, q + d, sizeof q0);
-        memcpy(&q1, q + D + d, sizeof q1);
-        memcpy(&q2, q + 2 * D + d, sizeof q2);
-        memcpy(&q3, q + 3 * D + d, sizeof q3);
-        a0 += q0 * kb;
-        a1 += q1 * kb;
-        a2 += q2 * kb;
-        a3 += q3 * kb;
+        ak_vn kb[AK_NB];
+        load_w(k + d * esz, dtype, kb);
+        for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < AK_NB; ++j) {
+                ak_vn qv;
+                memcpy(&qv, q + g * D + d + j * AK_N, sizeof qv);
+                a[g][j] += qv * kb[j];
+            }
     }
-    hsum4(a0, a1, a2, a3, out, os);
+    ak_vn sums[4];
+    for (int g = 0; g < 4; ++g) {
+        sums[g] = a[g][0];
+        for (int j = 1; j < AK_NB; ++j) sums[g] += a[g][j];
+    }
+    hsum4n(sums, out, os);
 }
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
     const int esz = AK_ESZ(dtype);
-    ak_vf a0 = {0}, a1 = {0};
+    ak_vn a0 = splatn(0.0f), a1 = a0;
     int64_t d = 0;
-    for (; d + 2 * AK_W <= D; d += 2 * AK_W) {
-        ak_vf q0, q1;
+    for (; d + 2 * AK_N <= D; d += 2 * AK_N) {
+        ak_vn q0, q1, kb[2];
         memcpy(&q0, q + d, sizeof q0);
-        memcpy(&q1, q + d + AK_W, sizeof q1);
-        a0 += q0 * load16(k + d * esz, dtype);
-        a1 += q1 * load16(k + (d + AK_W) * esz, dtype);
+        memcpy(&q1, q + d + AK_N, sizeof q1);
+        if (AK_NB == 2) { /* (one 16-element load holds both blocks) */
+            load_w(k + d * esz, dtype, kb);
+        } else {
+            load_w(k + d * esz, dtype, kb);
+            load_w(k + (d + AK_N) * esz, dtype, kb + 1);
+        }
+        a0 += q0 * kb[0];
+        a1 += q1 * kb[1];
     }
-    for (; d < D; d += AK_W) {
-        ak_vf q0;
+    for (; d < D; d += AK_W) { /* (AK_N == 16 only: D % 16 == 0) */
+        ak_vn q0, kb[AK_NB];
         memcpy(&q0, q + d, sizeof q0);
-        a0 += q0 * load16(k + d * esz, dtype);
+        load_w(k + d * esz, dtype, kb);
+        a0 += q0 * kb[0];
     }
-    out[0] = hsum(a0 + a1);
+    out[0] = hsumn(a0 + a1);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -326,70 +449,58 @@ int attnkit_native_has_dpbf16(void) {
 #endif
 }
 
-/* acc_g += sum_t p[g * ps + t] * v_t for 4 rows g, over n value rows v_t = v + t * vstride
- * (the next chunk's rows asked for from pf, NULL: none) */
-AK_INLINE void pv4(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                   int64_t ps, int64_t Dv, float *acc, const ak_ahead *pf) {
+/* P V, 16 value dims at a time, with eight sums in flight for four rows (the chains of
+ * dependent multiply-adds, not their throughput, bounded these loops): AVX-512 one vector a
+ * row and the even and odd tokens in separate sums (AK_PV_PAR), AVX2 two vectors a row. */
+#define AK_PV_PAR (AK_N / 8)
+
+/* a[g][j] += p[g * ps] * x[j] for ROWS rows g: one value row's 16 dims x into their sums */
+AK_INLINE void pv_fma(const ak_vn x[AK_NB], const float *p, int64_t ps, int ROWS,
+                      ak_vn a[4][AK_NB]) {
+    for (int g = 0; g < ROWS; ++g)
+        for (int j = 0; j < AK_NB; ++j) a[g][j] += p[g * ps] * x[j];
+}
+
+/* acc_g += sum_t p[g * ps + t] * v_t for ROWS rows g (1 or 4, a constant where inlined), over
+ * n value rows v_t = v + t * vstride (the next chunk's rows asked for from pf, NULL: none):
+ * two tokens a step, both rows loaded before their multiply-adds */
+AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                       int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
-        ak_vf a0, a1, a2, a3;
-        memcpy(&a0, acc + d, sizeof a0);
-        memcpy(&a1, acc + Dv + d, sizeof a1);
-        memcpy(&a2, acc + 2 * Dv + d, sizeof a2);
-        memcpy(&a3, acc + 3 * Dv + d, sizeof a3);
-        /* two tokens a step into separate sums: each sum's chain of dependent multiply-adds
-         * is half as long (their latency, not the throughput, bounded this loop) */
-        ak_vf b0 = ak_splat(0.0f), b1 = b0, b2 = b0, b3 = b0;
+        ak_vn a[4][AK_NB], b[4][AK_NB]; /* b: the odd tokens' sums (AK_PV_PAR == 2) */
+        for (int g = 0; g < ROWS; ++g)
+            for (int j = 0; j < AK_NB; ++j) {
+                memcpy(&a[g][j], acc + g * Dv + d + j * AK_N, sizeof(ak_vn));
+                b[g][j] = splatn(0.0f);
+            }
+        const char *vd = v + d * esz;
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
             if (d == 0) {
                 ahead(pf, t);
                 ahead(pf, t + 1);
             }
-            const ak_vf va = load16(v + t * vstride + d * esz, dtype);
-            const ak_vf vb = load16(v + (t + 1) * vstride + d * esz, dtype);
-            a0 += p[t] * va;
-            a1 += p[ps + t] * va;
-            a2 += p[2 * ps + t] * va;
-            a3 += p[3 * ps + t] * va;
-            b0 += p[t + 1] * vb;
-            b1 += p[ps + t + 1] * vb;
-            b2 += p[2 * ps + t + 1] * vb;
-            b3 += p[3 * ps + t + 1] * vb;
+            ak_vn x0[AK_NB], x1[AK_NB];
+            load_w(vd + t * vstride, dtype, x0);
+            load_w(vd + (t + 1) * vstride, dtype, x1);
+            pv_fma(x0, p + t, ps, ROWS, a);
+            if (AK_PV_PAR == 2)
+                pv_fma(x1, p + t + 1, ps, ROWS, b);
+            else
+                pv_fma(x1, p + t + 1, ps, ROWS, a);
         }
         if (t < n) {
             if (d == 0) ahead(pf, t);
-            const ak_vf va = load16(v + t * vstride + d * esz, dtype);
-            a0 += p[t] * va;
-            a1 += p[ps + t] * va;
-            a2 += p[2 * ps + t] * va;
-            a3 += p[3 * ps + t] * va;
+            ak_vn x0[AK_NB];
+            load_w(vd + t * vstride, dtype, x0);
+            pv_fma(x0, p + t, ps, ROWS, a);
         }
-        a0 += b0;
-        a1 += b1;
-        a2 += b2;
-        a3 += b3;
-        memcpy(acc + d, &a0, sizeof a0);
-        memcpy(acc + Dv + d, &a1, sizeof a1);
-        memcpy(acc + 2 * Dv + d, &a2, sizeof a2);
-        memcpy(acc + 3 * Dv + d, &a3, sizeof a3);
-    }
-}
-
-AK_INLINE void pv1(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                   int64_t Dv, float *acc) {
-    const int esz = AK_ESZ(dtype);
-    for (int64_t d = 0; d < Dv; d += AK_W) {
-        ak_vf a0, a1 = {0};
-        memcpy(&a0, acc + d, sizeof a0);
-        int64_t t = 0;
-        for (; t + 1 < n; t += 2) {
-            a0 += p[t] * load16(v + t * vstride + d * esz, dtype);
-            a1 += p[t + 1] * load16(v + (t + 1) * vstride + d * esz, dtype);
-        }
-        if (t < n) a0 += p[t] * load16(v + t * vstride + d * esz, dtype);
-        a0 += a1;
-        memcpy(acc + d, &a0, sizeof a0);
+        for (int g = 0; g < ROWS; ++g)
+            for (int j = 0; j < AK_NB; ++j) {
+                if (AK_PV_PAR == 2) a[g][j] += b[g][j];
+                memcpy(acc + g * Dv + d + j * AK_N, &a[g][j], sizeof(ak_vn));
+            }
     }
 }
 
@@ -407,8 +518,9 @@ AK_INLINE void pv_head_t(const char *v, int64_t vstride, int64_t n, int dtype, c
     int64_t r = 0;
     if (rows < 4) ahead_all(pf, n);
     for (; r + 4 <= rows; r += 4)
-        pv4(v, vstride, n, dtype, p + r * ps, ps, Dv, acc + r * Dv, r == 0 ? pf : NULL);
-    for (; r < rows; ++r) pv1(v, vstride, n, dtype, p + r * ps, Dv, acc + r * Dv);
+        pv_rows(v, vstride, n, dtype, p + r * ps, ps, Dv, 4, acc + r * Dv, r == 0 ? pf : NULL);
+    for (; r < rows; ++r)
+        pv_rows(v, vstride, n, dtype, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL);
 }
 
 AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16_t *qh,
@@ -462,26 +574,71 @@ static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1,
     if (t1 <= t0) return;
     v += t0 * vstride;
     p += t0;
-    if (dtype == AK_BF16) pv1(v, vstride, t1 - t0, AK_BF16, p, Dv, acc);
-    else if (dtype == AK_F16) pv1(v, vstride, t1 - t0, AK_F16, p, Dv, acc);
-    else if (dtype == AK_E4M3) pv1(v, vstride, t1 - t0, AK_E4M3, p, Dv, acc);
-    else if (dtype == AK_E5M2) pv1(v, vstride, t1 - t0, AK_E5M2, p, Dv, acc);
-    else pv1(v, vstride, t1 - t0, AK_F32, p, Dv, acc);
+    if (dtype == AK_BF16) pv_rows(v, vstride, t1 - t0, AK_BF16, p, 0, Dv, 1, acc, NULL);
+    else if (dtype == AK_F16) pv_rows(v, vstride, t1 - t0, AK_F16, p, 0, Dv, 1, acc, NULL);
+    else if (dtype == AK_E4M3) pv_rows(v, vstride, t1 - t0, AK_E4M3, p, 0, Dv, 1, acc, NULL);
+    else if (dtype == AK_E5M2) pv_rows(v, vstride, t1 - t0, AK_E5M2, p, 0, Dv, 1, acc, NULL);
+    else pv_rows(v, vstride, t1 - t0, AK_F32, p, 0, Dv, 1, acc, NULL);
 }
 
-/* the largest lane, in a tree of four steps (v holds no NaN: NaN scores never enter the
- * running maxima it is called on) */
-AK_INLINE float hmax(ak_vf v) {
-    ak_vf w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
+/* the largest lane, in a tree of halves (v holds no NaN: NaN scores never enter the running
+ * maxima it is called on) */
+AK_INLINE float hmaxn(ak_vn v) {
+#if AK_N == 16
+    ak_vn w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
                                       7);
-    v = ak_select(w > v, w, v);
+    v = selectn(w > v, w, v);
     w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = ak_select(w > v, w, v);
+    v = selectn(w > v, w, v);
     w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = ak_select(w > v, w, v);
+    v = selectn(w > v, w, v);
     w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    v = ak_select(w > v, w, v);
+#else
+    ak_vn w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v = selectn(w > v, w, v);
+    w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v = selectn(w > v, w, v);
+    w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+    v = selectn(w > v, w, v);
     return v[0];
+}
+
+/* One row's score terms and visibility over a chunk's lanes [0, nw), in place: softcap
+ * (cap > 0), ALiBi (slope sl, the row's position ip), -inf outside its visible lanes
+ * [a, e); returns the row's largest score in the chunk (NaN lanes drop out of the max) */
+AK_INLINE float row_terms(float *sr, int64_t nw, float a, float e, float ip, float sl,
+                          float cap, int alibi) {
+    ak_vn iota, mxv = splatn(-INFINITY);
+    for (int i = 0; i < AK_N; ++i) iota[i] = (float)i;
+    for (int64_t t0 = 0; t0 < nw; t0 += AK_N) {
+        ak_vn v;
+        memcpy(&v, sr + t0, sizeof v);
+        const ak_vn t = iota + (float)t0;
+        if (cap > 0.0f) v = cap * tanh_approx_n(v * (1.0f / cap));
+        if (alibi) {
+            const ak_vn dist = ip - t;
+            v -= sl * selectn(dist < 0.0f, -dist, dist);
+        }
+        v = selectn((t >= a) & (t < e), v, splatn(-INFINITY));
+        mxv = selectn(v > mxv, v, mxv);
+        memcpy(sr + t0, &v, sizeof v);
+    }
+    return hmaxn(mxv);
+}
+
+/* One row's softmax weights exp(s - mnew) over a chunk's lanes [0, nw), in place (0 where
+ * s = -inf, NaN where NaN); returns their sum */
+AK_INLINE float row_weights(float *sr, int64_t nw, float mnew) {
+    ak_vn sumv = splatn(0.0f);
+    for (int64_t t0 = 0; t0 < nw; t0 += AK_N) {
+        ak_vn v;
+        memcpy(&v, sr + t0, sizeof v);
+        const ak_vn p = exp_nonpos_n(v - mnew);
+        memcpy(sr + t0, &p, sizeof p);
+        sumv += p;
+    }
+    return hsumn(sumv);
 }
 
 /* sc[r * AK_CHUNK + t] *= unit * descale[h] for the rows r of each kv head h, t0 <= t < t1 */
@@ -538,21 +695,21 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
                            int NB, float *out, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = (int64_t)NB * AK_W;
-    ak_vf qv[4][4];
+    ak_vn qv[4][4 * AK_NB];
     for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < NB; ++j) memcpy(&qv[g][j], q + g * D + j * AK_W, sizeof(ak_vf));
+        for (int j = 0; j < NB * AK_NB; ++j)
+            memcpy(&qv[g][j], q + g * D + j * AK_N, sizeof(ak_vn));
     for (int64_t t = 0; t < len; ++t) {
         ahead(pf, t);
         const char *row = k + t * ks;
-        ak_vf a0 = ak_splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
-        for (int j = 0; j < NB; ++j) {
-            const ak_vf kb = load16(row + j * AK_W * esz, dtype);
-            a0 += qv[0][j] * kb;
-            a1 += qv[1][j] * kb;
-            a2 += qv[2][j] * kb;
-            a3 += qv[3][j] * kb;
+        ak_vn a[4] = {splatn(0.0f), splatn(0.0f), splatn(0.0f), splatn(0.0f)};
+        for (int jb = 0; jb < NB; ++jb) {
+            ak_vn kb[AK_NB];
+            load_w(row + jb * AK_W * esz, dtype, kb);
+            for (int g = 0; g < 4; ++g)
+                for (int j = 0; j < AK_NB; ++j) a[g] += qv[g][jb * AK_NB + j] * kb[j];
         }
-        hsum4(a0, a1, a2, a3, out + t, AK_CHUNK);
+        hsum4n(a, out + t, AK_CHUNK);
     }
 }
 
@@ -1004,10 +1161,34 @@ int attnkit_native_has_fp8dot(void) {
 #endif
 }
 
+/* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
+ * keys in memory order (a token's kv heads lie together in a page), each against every kv
+ * head's groups (score4), the next chunk's rows asked for as they go */
+AK_INLINE void score_keys_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
+                            const ak_job *job, const float *qb, int64_t groups,
+                            int64_t rows_per_head, float *sc, const ak_ahead *next) {
+    const int esz = AK_ESZ(dtype);
+    const int64_t D = job->D;
+    for (int64_t t = 0; t < len; ++t)
+        for (int64_t h = 0; h < job->Hkv; ++h) {
+            const ak_ahead head = {next->row, h * kh * esz, next->bytes};
+            ahead(&head, t);
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t r = h * rows_per_head + 4 * g;
+                score4(k + (t * ks + h * kh) * esz, dtype, qb + r * D, D,
+                       sc + r * AK_CHUNK + t, AK_CHUNK);
+            }
+        }
+}
+
+/* the largest head dim at which 4 query rows stay in registers (half the register file) */
+#define AK_QREG_D (AK_N == 16 ? 64 : 16)
+
 /* scores of `len` key rows (token stride ks, kv head stride kh, in elements) for every kv
  * head's rows, into sc columns from t (dtype a constant where this is inlined): groups of 4
- * rows with their queries in registers where the head dim allows (D <= 64, or <= 128 for
- * the bfloat16 dot products), else key by key */
+ * rows with their queries in registers where the head dim allows (D <= AK_QREG_D, or <= 128
+ * for the bfloat16 dot products), else key by key (score_keys_t; the bfloat16 dot products and
+ * the rows past the groups of 4 through score_head) */
 #define AK_NB_CASES(CALL) \
     switch (nb) { case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
                   default: CALL(4); }
@@ -1050,7 +1231,13 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 #else
     const int dp = 0;
 #endif
-    if (groups && (dp || D <= 4 * AK_W)) {
+    const int qregs = dp || D <= AK_QREG_D;
+    const int by_key = !qregs && !(qhb && dtype == AK_BF16);
+    if (groups && by_key) {
+        score_keys_t(k, ks, kh, len, dtype, job, qb, groups, rows_per_head, sc, next);
+        if (!rest) return;
+    }
+    if (groups && qregs) {
         const int nb = (int)(dp ? D / 32 : D / AK_W);
 #ifdef AK_FP8DOT
         ak_tab T;
@@ -1088,7 +1275,7 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
         }
         if (!rest) return;
     }
-    const int64_t first = (groups && (dp || D <= 4 * AK_W)) ? 4 * groups : 0;
+    const int64_t first = groups && (qregs || by_key) ? 4 * groups : 0;
     if (!first)
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const ak_ahead head = {next->row, h * kh * esz, next->bytes};
@@ -1105,17 +1292,34 @@ AK_INLINE void score_tokens_t(const char *k, int64_t ks, int64_t kh, int64_t len
 }
 #undef AK_NB_CASES
 
+/* score_tokens_t for one page dtype, in a function of its own: inlined together into one,
+ * the dtypes' loops shared its register allocation, which cost the AVX-512 bfloat16 and fp8
+ * dot products 5-10% */
+#define AK_ST_FN(NAME, DT)                                                                 \
+    static __attribute__((noinline)) void NAME(                                            \
+        const char *k, int64_t len, const ak_job *job, const float *qb,                    \
+        const uint16_t *qhb, const ak_q16 *q16, int64_t rows_per_head, float *sc,          \
+        const ak_ahead *next) {                                                            \
+        score_tokens_t(k, job->ks_tok, job->ks_head, len, DT, job, qb, qhb, q16,           \
+                       rows_per_head, sc, next);                                           \
+    }
+AK_ST_FN(score_tokens_bf16, AK_BF16)
+AK_ST_FN(score_tokens_f16, AK_F16)
+AK_ST_FN(score_tokens_e4m3, AK_E4M3)
+AK_ST_FN(score_tokens_e5m2, AK_E5M2)
+AK_ST_FN(score_tokens_f32, AK_F32)
+#undef AK_ST_FN
+
 static void score_tokens(const char *k, int64_t len, const ak_job *job, const float *qb,
                          const uint16_t *qhb, const ak_q16 *q16, int64_t rows_per_head,
                          float *sc, const ak_ahead *next) {
-    const int64_t ks = job->ks_tok, kh = job->ks_head;
-#define AK_ST(DT) score_tokens_t(k, ks, kh, len, DT, job, qb, qhb, q16, rows_per_head, sc, next)
+#define AK_ST(F) F(k, len, job, qb, qhb, q16, rows_per_head, sc, next)
     switch (job->dtype) {
-    case AK_BF16: AK_ST(AK_BF16); break;
-    case AK_F16: AK_ST(AK_F16); break;
-    case AK_E4M3: AK_ST(AK_E4M3); break;
-    case AK_E5M2: AK_ST(AK_E5M2); break;
-    default: AK_ST(AK_F32);
+    case AK_BF16: AK_ST(score_tokens_bf16); break;
+    case AK_F16: AK_ST(score_tokens_f16); break;
+    case AK_E4M3: AK_ST(score_tokens_e4m3); break;
+    case AK_E5M2: AK_ST(score_tokens_e5m2); break;
+    default: AK_ST(score_tokens_f32);
     }
 #undef AK_ST
 }
@@ -1135,6 +1339,31 @@ static void next_rows(const ak_job *job, int64_t b, int64_t base, int64_t c0, in
             nk[seg[g].t + t] = job->kp + (seg[g].page * job->ks_page + tok * job->ks_tok) * esz;
             nv[seg[g].t + t] = job->vp + (seg[g].page * job->vs_page + tok * job->vs_tok) * esz;
         }
+}
+
+/* Sequence b's query rows (row r = hq * Lq + i) into qb in float32 times the scale (in the
+ * order AK_EVEN_ODD reads the pages in), and as given into qhb (bfloat16, for the dot
+ * products: exact products, the scale after) unless NULL */
+static void query_rows(const ak_job *job, int64_t b, float *qb, uint16_t *qhb) {
+    const int64_t D = job->D, Lq = job->Lq, R = job->Hq * Lq;
+    const int qesz = AK_ESZ(job->q_dtype);
+    for (int64_t r = 0; r < R; ++r) {
+        const char *src = job->q + (b * job->qs_b + (r / Lq) * job->qs_h
+                                    + (r % Lq) * job->qs_i) * qesz;
+        if (qhb) memcpy(qhb + r * D, src, (size_t)D * sizeof(uint16_t));
+        for (int64_t d = 0; d < D; d += AK_W) {
+            ak_vf x = load16(src + d * qesz, job->q_dtype) * job->scale;
+            if (AK_EVEN_ODD(job->dtype)) x = even_odd(x);
+            memcpy(qb + r * D + d, &x, sizeof x);
+        }
+    }
+}
+
+/* dst[d] = sums[d] * f for d < n (a multiple of 16), the sums in the order AK_EVEN_ODD reads
+ * the pages in where `eo` */
+static void sums_out(float *dst, const float *sums, int64_t n, float f, int eo) {
+    for (int64_t d = 0; d < n; d += AK_W)
+        for (int i = 0; i < AK_W; ++i) dst[d + i] = sums[d + (eo ? i % 2 * 8 + i / 2 : i)] * f;
 }
 
 static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
@@ -1158,16 +1387,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     ak_tab T;
     if (fp8dot) T = fp8_tab(job);
 #endif
-    const int qesz = AK_ESZ(job->q_dtype);
-    for (int64_t r = 0; r < R; ++r) {
-        const char *src = job->q + (b * job->qs_b + (r / Lq) * job->qs_h
-                                    + (r % Lq) * job->qs_i) * qesz;
-        if (qhb) memcpy(qhb + r * D, src, (size_t)D * sizeof(uint16_t));
-        for (int64_t d = 0; d < D; d += AK_W) {
-            const ak_vf x = load16(src + d * qesz, job->q_dtype) * job->scale;
-            memcpy(qb + r * D + d, &x, sizeof x);
-        }
-    }
+    query_rows(job, b, qb, qhb);
 
 #ifdef AK_H16
     /* e4m3 pages in float16 arithmetic where everything fits (AK_H16): the rows scaled by a
@@ -1244,32 +1464,16 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
                            seg[g].t, seg[g].t + seg[g].len);
         }
-        /* score terms, visibility, online softmax; 16 lanes at a time over the chunk's lanes
-         * (lanes past n are masked like invisible keys) */
-        const ak_vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        /* score terms, visibility, online softmax; a vector (AK_N lanes) at a time over the
+         * chunk's lanes (lanes past n are masked like invisible keys) */
         /* first every row's terms, visibility and chunk maximum (cmx; no row waits on
          * another's), then the softmax updates that depend on them */
         for (int64_t r = 0; r < R; ++r) {
-            float *sr = sc + r * AK_CHUNK;
             if (isnan(m[r])) continue; /* (the row is NaN: below) */
             /* visible t: [a, e) within the chunk */
             const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
-            const float ip = (float)(ipos[r] - c0), sl = slope[r];
-            ak_vf mxv = ak_splat(-INFINITY); /* NaN lanes drop out of the max */
-            for (int64_t t0 = 0; t0 < nw; t0 += AK_W) {
-                ak_vf v;
-                memcpy(&v, sr + t0, sizeof v);
-                const ak_vf t = iota + (float)t0;
-                if (cap > 0.0f) v = cap * tanh_approx(v * (1.0f / cap));
-                if (job->alibi) {
-                    const ak_vf dist = ip - t;
-                    v -= sl * ak_select(dist < 0.0f, -dist, dist);
-                }
-                v = ak_select((t >= a) & (t < e), v, ak_splat(-INFINITY));
-                mxv = ak_select(v > mxv, v, mxv);
-                memcpy(sr + t0, &v, sizeof v);
-            }
-            cmx[r] = hmax(mxv);
+            cmx[r] = row_terms(sc + r * AK_CHUNK, nw, a, e, (float)(ipos[r] - c0), slope[r],
+                               cap, job->alibi != NULL);
         }
         for (int64_t r = 0; r < R; ++r) {
             float *sr = sc + r * AK_CHUNK;
@@ -1287,15 +1491,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             }
             const float mnew = mx > m[r] ? mx : m[r];
             const float alpha = exp_nonpos1(m[r] - mnew);
-            ak_vf sumv = ak_splat(0.0f);
-            for (int64_t t0 = 0; t0 < nw; t0 += AK_W) {
-                ak_vf v;
-                memcpy(&v, sr + t0, sizeof v);
-                const ak_vf p = exp_nonpos(v - mnew); /* 0 where v = -inf, NaN where NaN */
-                memcpy(sr + t0, &p, sizeof p);
-                sumv += p;
-            }
-            const float sum = hsum(sumv);
+            const float sum = row_weights(sr, nw, mnew);
             if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
                 m[r] = NAN;
                 memset(sr, 0, (size_t)nw * sizeof(float));
@@ -1386,8 +1582,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = NAN;
             if (job->lse) job->lse[o] = NAN;
         } else if (l[r] > 0.0f) {
-            const float inv = 1.0f / l[r];
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[r * Dv + d] * inv;
+            sums_out(dst, acc + r * Dv, Dv, 1.0f / l[r], AK_EVEN_ODD(dtype));
             if (job->lse) job->lse[o] = m[r] + logf(l[r]);
         } else {
             memset(dst, 0, (size_t)Dv * sizeof(float));
