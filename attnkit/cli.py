@@ -39,7 +39,7 @@ class Feature(NamedTuple):
 def _features() -> Dict[str, Feature]:
     """Feature name -> :class:`Feature` for the accuracy grid. The bottom-right rows use
     ``Lq != Lk`` (with ``Lq == Lk`` both diagonals are the same mask)."""
-    from . import masks, score_mods
+    from .terms import masks, score_mods
 
     def doc(hq, lq, lk):
         ids = torch.arange(lk) * 3 // lk
@@ -69,7 +69,7 @@ def _features() -> Dict[str, Feature]:
 
 def run_check(dtypes: Sequence[str], backends: Sequence[str], seed: int = 0) -> List[dict]:
     """Max |attnkit - float64 oracle| for out, lse and gradients over a feature grid."""
-    from .api import attention
+    from .doors.attention import attention
     from .reference import attention_reference
 
     rows = []
@@ -115,8 +115,8 @@ def run_decode_check(dtypes: Sequence[str], seed: int = 0) -> List[dict]:
     the gradients, which start from the decode forward's out and lse). On CPU both run in the
     native decode kernel when it is built (see ``attnkit.native``), else in torch ops."""
     from . import native
-    from .api import attention
-    from .paged import gather_kv, paged_attention_blocks
+    from .doors.attention import attention
+    from .kv.paged import gather_kv, paged_attention_blocks
     from .reference import attention_reference
 
     rows = []
@@ -188,40 +188,56 @@ def native_warning() -> Optional[str]:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from . import native
 
     dtypes, backends = list(args.dtype), list(args.backend)
     t0 = time.perf_counter()
     rows = run_check(dtypes, backends) + run_decode_check(dtypes)
-    table = Table(title=f"attnkit check: max |attnkit - float64 oracle| "
-                        f"({time.perf_counter() - t0:.1f} s)")
-    for col in ("feature", "Lq x Lk", "dtype", "backend", "out", "lse", "grad q/k/v", "status"):
-        table.add_column(col, justify="right" if col in ("out", "lse", "grad q/k/v") else "left")
-    bad = 0
+    title = f"attnkit check: max |attnkit - float64 oracle| ({time.perf_counter() - t0:.1f} s)"
+    columns = ("feature", "Lq x Lk", "dtype", "backend", "out", "lse", "grad q/k/v", "status")
+    cells, bad = [], 0
     for r in rows:
         if r["status"] != "ok":
-            table.add_row(r["feature"], r["shape"], r["dtype"], r["backend"], "-", "-", "-",
-                          r["status"])
+            cells.append((r["feature"], r["shape"], r["dtype"], r["backend"], "-", "-", "-",
+                          r["status"]))
             continue
         limit = {"float64": 1e-10, "float32": 1e-4}.get(r["dtype"], 5e-2)
         grad = r["grad"]  # None: this row has no backward
         ok = max(r["out"], r["lse"]) <= limit and (grad is None or grad <= 20 * limit)
         bad += not ok
-        table.add_row(r["feature"], r["shape"], r["dtype"], r["backend"], f"{r['out']:.2e}",
+        cells.append((r["feature"], r["shape"], r["dtype"], r["backend"], f"{r['out']:.2e}",
                       f"{r['lse']:.2e}", "-" if grad is None else f"{grad:.2e}",
-                      "ok" if ok else "LARGE")
+                      "ok" if ok else "LARGE"))
+    _print_table(title, columns, cells, right=("out", "lse", "grad q/k/v"))
+    print(native.describe())
+    warning = native_warning()
+    if warning:
+        print(warning, file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _print_table(title: str, columns: Sequence[str], rows: List[Sequence[str]], *,
+                 right: Sequence[str] = ()) -> None:
+    """A table on stdout: rich's where the ``bench`` extra is installed, else aligned text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+        print(title)
+        for row in (columns, *rows):
+            print("  ".join(x.rjust(w) if c in right else x.ljust(w)
+                            for x, w, c in zip(row, widths, columns)).rstrip())
+        return
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left")
+    for row in rows:
+        table.add_row(*row)
     console = Console()
     if not console.is_terminal:  # a pipe or file: do not fold the table into 80 columns
         console = Console(width=160)
     console.print(table)
-    console.print(native.describe())
-    warning = native_warning()
-    if warning:
-        Console(stderr=True).print(warning, style="bold yellow", markup=False, highlight=False)
-    return 1 if bad else 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .mods import call_mask_mod, call_score_mod
+from .terms.mods import call_mask_mod, call_score_mod
 
 
 def _flat(x: Tensor, batch: Tuple[int, ...], n: int) -> Tensor:
@@ -44,7 +44,7 @@ def _visible(mask: Any, b: Tensor, h: Tensor, i: Tensor, j: Tensor,
     if isinstance(mask, Tensor):
         return _scores_shaped(mask, batch, n, full)
     if hasattr(mask, "kv_num_blocks"):  # a BlockMask (attnkit's or torch's)
-        from .block_mask import BlockMask
+        from .terms.block_mask import BlockMask
 
         bm = mask if isinstance(mask, BlockMask) else BlockMask.from_torch(mask)
         bq, bk = bm.BLOCK_SIZE
@@ -170,7 +170,7 @@ def attention_reference(
         if seed is None:
             raise ValueError("attention_reference needs the dropout keep mask: pass "
                              "dropout_keep=, or the seed (and offset) of the call to replay")
-        from .dropout import keep_mask
+        from .terms.dropout import keep_mask
 
         keep = (keep_mask(seed, offset, dropout_p, c.b, c.h, c.i, c.j) if dropout_p < 1.0
                 else torch.zeros((), dtype=torch.bool))

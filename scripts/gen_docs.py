@@ -129,7 +129,7 @@ def executor_rows(full: bool = True) -> Tuple[List[str], List[List[str]], List[s
     """Header, rows and notes of the feature x executor table (``full``: with the rows of
     the extras and the fallbacks)."""
     from attnkit import backends
-    from attnkit.spec import FEATURES
+    from attnkit.terms.spec import FEATURES
 
     names = list(backends.PRIORITY)
     caps = [backends.REGISTRY[n].CAPS for n in names]

@@ -333,7 +333,7 @@ def section_determinism(run: Run, torch, attnkit, device, dry: bool) -> None:
 
 def section_decode(run: Run, torch, attnkit, device, dry: bool) -> None:
     from attnkit.backends import triton as tx
-    from attnkit.spec import PagedKV, build_spec
+    from attnkit.terms.spec import PagedKV, build_spec
 
     n, hq, hkv, lk, d, page = (2, 8, 2, 150, 32, 16) if dry else (8, 32, 8, 8192, 128, 64)
 
@@ -458,7 +458,7 @@ def speed_case(sp: Speed, case: str, passes: str, L: int, peers: Tuple[str, ...]
     torch, attnkit, device, dry = sp.torch, sp.attnkit, sp.device, sp.dry
     from attnkit import masks, score_mods
     from attnkit.backends import triton as tx
-    from attnkit.spec import build_spec
+    from attnkit.terms.spec import build_spec
 
     F = torch.nn.functional
     bf = torch.bfloat16

@@ -151,7 +151,7 @@ def test_executor_table_lists_every_executor_and_feature():
 def test_readme_is_short_and_keeps_its_commands():
     text = README.read_text()
     assert len(text.splitlines()) <= 300
-    assert ("pip install torch==2.13.0 && pip install -e '.[test,plot]' && attnkit bench "
+    assert ("pip install torch==2.13.0 && pip install -e '.[bench,test,plot]' && attnkit bench "
             "--suite quick") in text
     assert "\npython -m pytest\n" in text
     assert "mkdocs build --strict" in text

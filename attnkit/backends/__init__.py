@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 from torch import Tensor
 
-from ..spec import AttentionSpec
+from ..terms.spec import AttentionSpec
 from . import decode, flash, fused, tiled, triton
 from .base import not_supported_reasons
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, FrozenSet, List, Mapping, Optional, Protocol, 
 import torch
 from torch import Tensor
 
-from ..spec import AttentionSpec
+from ..terms.spec import AttentionSpec
 
 
 @dataclass

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..pages import gather_kv
-from ..score_terms import fold_sinks
-from ..spec import AttentionSpec
+from ..kv.pages import gather_kv
+from ..terms.score_terms import fold_sinks
+from ..terms.spec import AttentionSpec
 from . import tiled
 from .base import Capabilities, ForwardResult, Grads
 

@@ -56,10 +56,10 @@ import torch
 from torch import Tensor
 
 from .. import native
-from ..masks import structure_of
-from ..mods import info_of
-from ..pages import gather_kv
-from ..spec import AttentionSpec
+from ..kv.pages import gather_kv
+from ..terms.masks import structure_of
+from ..terms.mods import info_of
+from ..terms.spec import AttentionSpec
 from . import workers
 from .base import Capabilities, ForwardResult, Grads, not_supported_reasons
 
@@ -543,7 +543,7 @@ def replay(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]] = (N
             return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                         or v.requires_grad):
-            from ..autograd import run
+            from ..engine.autograd import run
 
             s = replace(template, q=q, k=k, v=v)
             plan = FlashPlan(s, call=call, source=_source(s))

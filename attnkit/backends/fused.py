@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import compute_dtype_of
-from ..merge import merge_state
-from ..plan import ANALYTIC_TERMS, MASK_TERMS, Plan, range_visibility, tile_visibility
-from ..score_terms import (
+from ..engine.plan import ANALYTIC_TERMS, MASK_TERMS, Plan, range_visibility, tile_visibility
+from ..kv.merge import merge_state
+from ..terms.checks import compute_dtype_of
+from ..terms.score_terms import (
     ADDITIVE_TERMS,
     additive_tile,
     alibi_row_shift,
@@ -41,7 +41,7 @@ from ..score_terms import (
     fold_sinks,
     safe_lse,
 )
-from ..spec import AttentionSpec
+from ..terms.spec import AttentionSpec
 from . import tiled, workers
 from .base import Capabilities, ForwardResult, Grads
 from .fused_schedule import BLOCK, FusedPlan, Piece, Run, make_fused_plan  # noqa: F401 (BLOCK)

@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..plan import MASK_TERMS, Plan, make_plan
-from ..score_terms import ADDITIVE_TERMS, alibi_foldable, fold_alibi
-from ..spec import AttentionSpec
+from ..engine.plan import MASK_TERMS, Plan, make_plan
+from ..terms.score_terms import ADDITIVE_TERMS, alibi_foldable, fold_alibi
+from ..terms.spec import AttentionSpec
 
 #: Query (and key) block of the fused schedule.
 BLOCK = 256

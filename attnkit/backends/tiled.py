@@ -22,10 +22,10 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..fp8 import quantize_dp, quantize_probabilities
-from ..mods import call_score_mod, from_recipe, info_of
-from ..plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
-from ..score_terms import (
+from ..engine.plan import MASK_TERMS, Plan, make_plan, tile_visibility  # make_plan: its plan
+from ..terms.fp8 import quantize_dp, quantize_probabilities
+from ..terms.mods import call_score_mod, from_recipe, info_of
+from ..terms.score_terms import (
     TERMS,
     apply_score_mod,
     apply_terms,
@@ -35,7 +35,7 @@ from ..score_terms import (
     slice_tile,
     softcap_grad,
 )
-from ..spec import AttentionSpec
+from ..terms.spec import AttentionSpec
 from . import workers
 from .base import Capabilities, ForwardResult, Grads
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import sys
 import time
@@ -213,6 +214,15 @@ def _error(msg: str) -> int:
     return 2
 
 
+def missing_extra() -> Optional[str]:
+    """None when the ``bench`` extra (rich: tables and progress) is installed, else the message
+    that says what to install."""
+    if importlib.util.find_spec("rich") is not None:
+        return None
+    return ("the benchmark needs the 'bench' extra (rich, for its tables and progress): "
+            "pip install 'attnkit[bench]' (from a checkout: pip install -e '.[bench]')")
+
+
 def _list_cases() -> int:
     from .cases import CATALOG
     from .flops import visible_pairs
@@ -233,6 +243,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     """
     if getattr(args, "list", False):
         return _list_cases()
+    missing = missing_extra()
+    if missing:
+        return _error(missing)
     if getattr(args, "distributed", False):
         return _run_distributed(args)
     from .cases import PASSES, select

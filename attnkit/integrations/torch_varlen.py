@@ -32,9 +32,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import ops
-from ..spec import Options
-from ..varlen import pack_varlen
+from ..doors.varlen import pack_varlen
+from ..engine import ops
+from ..terms.spec import Options
 
 __all__ = ["NAME", "activate", "available", "register"]
 
@@ -200,7 +200,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tens
                     alibi_slopes, seed)
     if block_table is not None and cum_seq_q is not None and dropout_p == 0:
         # packed queries over a paged cache: read in place, as attnkit.varlen_attention does
-        from ..varlen_pages import varlen_over_pages
+        from ..doors.varlen_pages import varlen_over_pages
 
         if seqused_k is None:
             raise ValueError("block_table needs seqused_k (the number of tokens each sequence "

@@ -715,7 +715,7 @@ class DecodeCall:
             raise MemoryError("native decode kernel could not allocate its scratch buffers")
         if splits == 1:  # (out is (B, Hq, Lq, Dv) already)
             return out, None if lse is None else lse[0]
-        from ..merge import merge_states
+        from ..kv.merge import merge_states
 
         return merge_states(out, lse)
 

@@ -43,10 +43,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ... import plan as plan_mod
-from ...mods import info_of
-from ...score_terms import safe_lse
-from ...spec import AttentionSpec
+from ...engine import plan as plan_mod
+from ...terms.mods import info_of
+from ...terms.score_terms import safe_lse
+from ...terms.spec import AttentionSpec
 from ..base import Capabilities, ForwardResult, Grads
 
 CAPS = Capabilities(

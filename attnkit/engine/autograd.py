@@ -11,9 +11,9 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends
-from .checks import autocast_dtype
-from .spec import AttentionSpec
+from .. import backends
+from ..terms.checks import autocast_dtype
+from ..terms.spec import AttentionSpec
 
 
 class _AttentionFunction(torch.autograd.Function):

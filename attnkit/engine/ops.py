@@ -61,7 +61,7 @@ CARRY = {"scale": "value", "mask": "mask", "bias": "grad", "causal": "value",
 
 def revision(source: str) -> str:
     """The ops' revision for their source text: attnkit's version and a hash of the source."""
-    from . import __version__
+    from .. import __version__
 
     return __version__ + "+" + hashlib.sha256(source.encode()).hexdigest()[:12]
 
@@ -122,7 +122,7 @@ def pack(door: str, q: Tensor, k: Tensor, v: Tensor, options: Any, *, backend: s
     """``options`` (an :class:`attnkit.spec.Options`) and the door's own tensors (``extra``:
     segments, pages, cu_seqlens ...) as op arguments, every option as :data:`CARRY` says.
     Shape-only work: safe to trace."""
-    from .spec import _DEFAULT_OPTIONS, _is_default
+    from ..terms.spec import _DEFAULT_OPTIONS, _is_default
 
     p = Packed()
     cfg = p.config
@@ -170,7 +170,7 @@ def _pack_mask(p: Packed, mask: Any) -> None:
     if isinstance(mask, Tensor):
         p.slots["mask"] = mask
     elif hasattr(mask, "kv_num_blocks"):  # a BlockMask
-        from .block_mask import BlockMask
+        from ..terms.block_mask import BlockMask
 
         bm = mask if isinstance(mask, BlockMask) else BlockMask.from_torch(mask)
         p.slots["bm_kv_num_blocks"], p.slots["bm_kv_indices"] = bm.kv_num_blocks, bm.kv_indices
@@ -210,7 +210,7 @@ def _split(grad_tensors: Sequence[Tensor], cfg: Dict[str, Any]
 def _mod(cfg: Optional[Dict[str, Any]], mod_tensors: Sequence[Tensor]) -> Any:
     if cfg is None:
         return None
-    from .mods import from_recipe
+    from ..terms.mods import from_recipe
 
     return from_recipe(cfg["tree"], mod_tensors[cfg["base"]:cfg["base"] + cfg["count"]])
 
@@ -221,7 +221,7 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
     its arguments and parsed config. Tensors that the call differentiates (the config's
     ``grads``) are marked as requiring grad (an op's inputs arrive detached), so the spec has
     the learnable terms of eager mode."""
-    from .spec import Options, PagedKV, build_spec
+    from ..terms.spec import Options, PagedKV, build_spec
 
     wants = set(cfg.get("grads", ()))
     grad_tensors = [t.detach().requires_grad_(True) if i in wants else t
@@ -230,7 +230,7 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
     t = dict(zip(SLOTS, tensors))
     mask: Any = t["mask"]
     if cfg.get("block_mask") is not None:
-        from .block_mask import BlockMask
+        from ..terms.block_mask import BlockMask
 
         bmc = cfg["block_mask"]
         mask = BlockMask.from_kv_blocks(
@@ -244,13 +244,13 @@ def unpack(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequence[Tensor],
     door = cfg["door"]
     extra: Dict[str, Any] = {"outputs": frozenset(cfg["outputs"])}
     if door == "varlen":
-        from .checks import check_cu
+        from ..terms.checks import check_cu
 
         check_cu("cu_seqlens_q", t["cu_seqlens_q"], q.shape[2], q.device)
         check_cu("cu_seqlens_kv", t["cu_seqlens_kv"], k.shape[2], q.device)
         extra.update(segments=(t["segments_q"], t["segments_kv"]), row_offset=t["row_offset"])
     elif door == "paged":
-        from .pages import _check_pages
+        from ..kv.pages import _check_pages
 
         lens = _check_pages(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens_kv"])
         opts = opts.merged(seqlens_kv=lens)
@@ -263,7 +263,7 @@ def _unpacked_options(cfg: Dict[str, Any], t: Dict[str, Optional[Tensor]],
                       named: Dict[str, Tensor], mask: Any,
                       mod_tensors: Sequence[Tensor]) -> Dict[str, Any]:
     """Every option of a packed call by name, read back as :data:`CARRY` says."""
-    from .spec import Options
+    from ..terms.spec import Options
 
     values = cfg["values"]
     out: Dict[str, Any] = {}
@@ -317,7 +317,7 @@ def _out_dtype(q: Tensor, cfg: Dict[str, Any]) -> torch.dtype:
     """The op's ``out`` dtype: q's, or for fp8 inputs the dtype they are dequantized into
     (:func:`attnkit.fp8.dequantize_inputs`: a float ``out_dtype``, else bfloat16). The front
     door converts it to ``out_dtype`` afterwards."""
-    from .fp8 import is_fp8
+    from ..terms.fp8 import is_fp8
 
     if not is_fp8(q):
         return q.dtype
@@ -336,7 +336,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Tensor],
                  ) -> Tuple[Tensor, Tensor, Tensor]:
     """The forward: ``(out, lse, max_scores)`` in the call's shapes (contiguous;
     ``max_scores`` is empty unless the config asks for it)."""
-    from . import backends
+    from .. import backends
 
     cfg = json.loads(config)
     spec, _ = unpack(q, k, v, grad_tensors, tensors, cfg)
@@ -391,7 +391,7 @@ def attention_backward_op(q: Tensor, k: Tensor, v: Tensor, grad_tensors: List[Te
                           lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> List[Tensor]:
     """The backward: ``[dq, dk, dv, *d(grad_tensors)]``, contiguous in the inputs' shapes
     (empty where not differentiated)."""
-    from . import backends
+    from .. import backends
 
     cfg = json.loads(config)
     spec, marked = unpack(q, k, v, grad_tensors, tensors, cfg)
@@ -458,7 +458,7 @@ def _differentiable_backward(q: Tensor, k: Tensor, v: Tensor, grad_tensors: Sequ
     ``"differentiable_backward"`` extra), outside any op (so it is itself differentiable):
     used for double backward. The mods are rebuilt on the saved tensors
     themselves, so second derivatives reach them."""
-    from . import backends
+    from .. import backends
 
     cfg = json.loads(config)
     cfg.pop("grads", None)  # the saved tensors carry their own requires_grad

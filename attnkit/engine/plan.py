@@ -18,9 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .mods import call_mask_mod
-from .score_terms import index_grid, slice_tile
-from .spec import AttentionSpec
+from ..terms.mods import call_mask_mod
+from ..terms.score_terms import index_grid, slice_tile
+from ..terms.spec import AttentionSpec
 
 #: Spec features the planner classifies tiles by and :func:`tile_visibility` evaluates.
 MASK_TERMS = frozenset({"window", "mask", "block_mask", "mask_mod", "seqlens_q", "seqlens_kv",

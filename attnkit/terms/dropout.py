@@ -293,7 +293,7 @@ def _fill(seed: int, offset: int, grid: _Grid, out: Tensor,
     On CPU the native kernel (:func:`attnkit.native.philox_fill`, the same bits) does it in
     one pass when it is available: ``threshold`` for a keep mask, None for uniforms."""
     if grid.device.type == "cpu" and len(grid.shape) <= 4 and out.numel():
-        from . import native
+        from .. import native
 
         if native.philox_fill(grid.c0, grid.c1, grid.c2, seed, offset, out, threshold):
             return out

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional, Set, Tuple
 
 from torch import Tensor
 
-from .api import AuxOutput, AuxRequest, attention
+from .attention import AuxOutput, AuxRequest, attention
 from .errors import torch_compatible
 
 #: The values of torch's ``kernel_options["BACKEND"]`` (``torch.nn.attention.flex_attention``).
@@ -101,7 +101,7 @@ def _flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Any, b
                          f"enable_gqa=True for grouped-query attention")
     backend, forced_by = _kernel_backend(kernel_options)
     if block_mask is not None and not hasattr(block_mask, "kv_blocks_for"):
-        from .block_mask import BlockMask
+        from ..terms.block_mask import BlockMask
 
         block_mask = BlockMask.from_torch(block_mask)
     request = None

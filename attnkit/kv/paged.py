@@ -25,11 +25,11 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from .checks import check_int
-from .fp8 import FP8_DTYPES, cast_fp8, check_positive, suggested_scale
-from .ops import is_compiling, stand_ins
+from ..engine.ops import is_compiling, stand_ins
+from ..terms.checks import check_int
+from ..terms.fp8 import FP8_DTYPES, cast_fp8, check_positive, suggested_scale
+from ..terms.spec import DoorOptions, Options, PagedKV, build_spec
 from .pages import _check_pages, _index_tensor, check_page_descales, gather_kv
-from .spec import DoorOptions, Options, PagedKV, build_spec
 
 __all__ = ["PagedKVCache", "gather_kv", "OutOfPagesError", "UnknownSequenceError"]
 
@@ -447,8 +447,8 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     and ``seqlens_kv (B,)`` (tensors or lists). fp8 pages need ``k_descale`` and ``v_descale``
     (``(num_pages, Hkv)``, ``(Hkv,)`` or a number; see :mod:`attnkit.pages`); q is then a
     float tensor (float32, bfloat16 or float16) and the output has its dtype."""
-    from . import backends
-    from .api import _execute, _finish, attention
+    from .. import backends
+    from ..doors.attention import _execute, _finish, attention
 
     options = {"causal": True, "diagonal": "bottom_right", **options}
     opts = Options.from_kwargs("paged_attention", options, TAKES)
@@ -461,7 +461,7 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     block_table = _index_tensor("block_table", block_table, k_pages, torch.int32)
     seqlens_kv = _index_tensor("seqlens_kv", seqlens_kv, k_pages, torch.int32)
     if is_compiling():
-        from . import compiled
+        from ..doors import compiled
 
         kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)  # (shapes only)
         _check_query_over_pages(q, kd)

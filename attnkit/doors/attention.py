@@ -11,11 +11,12 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from . import backends, compiled, native
-from .autograd import _no_autocast, run, unbroadcast, unbroadcast_input
-from .checks import autocast_dtype, autocast_inputs
-from .errors import torch_compatible
-from .fp8 import (
+from .. import backends, native
+from ..engine.autograd import _no_autocast, run, unbroadcast, unbroadcast_input
+from ..engine.ops import is_compiling
+from ..kv.paged import paged_spec
+from ..terms.checks import autocast_dtype, autocast_inputs
+from ..terms.fp8 import (
     cache_descales,
     check_grad_dtype,
     check_out_dtype,
@@ -24,11 +25,19 @@ from .fp8 import (
     finish_output,
     is_fp8,
 )
-from .ops import is_compiling
-from .paged import paged_spec
-from .score_terms import index_grid
-from .spec import AttentionSpec, Options, PagedKV, band, build_spec, normal_padding, signature
-from .spec import build_spec as _build_checked  # (not the name tests count calls of)
+from ..terms.score_terms import index_grid
+from ..terms.spec import (
+    AttentionSpec,
+    Options,
+    PagedKV,
+    band,
+    build_spec,
+    normal_padding,
+    signature,
+)
+from ..terms.spec import build_spec as _build_checked  # (not the name tests count calls of)
+from . import compiled
+from .errors import torch_compatible
 
 
 class AuxRequest(NamedTuple):
@@ -452,7 +461,7 @@ def _dense_keep_mask(spec: AttentionSpec) -> Optional[Tensor]:
         keep = torch.zeros((), dtype=torch.bool, device=spec.q.device).expand(
             spec.n, spec.hq, spec.lq, spec.lk)
     elif spec.dropout_p > 0.0:
-        from .dropout import keep_mask
+        from ..terms.dropout import keep_mask
 
         keep = keep_mask(spec.seed, spec.offset, spec.dropout_p,
                          *index_grid(spec, 0, spec.lq, 0, spec.lk))

@@ -7,14 +7,14 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backends, ops
-from .api import _execute, fp8_readable_in_place
-from .checks import autocast_inputs, check_cu
-from .fp8 import cache_descales, check_out_dtype, dequantize_query, finish_output
-from .mods import remap
-from .ops import is_compiling
-from .paged import paged_spec
-from .spec import (
+from .. import backends
+from ..engine import ops
+from ..engine.ops import is_compiling
+from ..kv.paged import paged_spec
+from ..terms.checks import autocast_inputs, check_cu
+from ..terms.fp8 import cache_descales, check_out_dtype, dequantize_query, finish_output
+from ..terms.mods import remap
+from ..terms.spec import (
     _DEFAULT_OPTIONS,
     AttentionSpec,
     DoorOptions,
@@ -23,6 +23,7 @@ from .spec import (
     _is_default,
     build_spec,
 )
+from .attention import _execute, fp8_readable_in_place
 
 #: Options varlen_attention does not take, and why.
 UNSUPPORTED = {

@@ -256,7 +256,7 @@ def _dequantize(name: str, x: Tensor, descale: Any, hkv: int, target: torch.dtyp
     if d.dim() and d.shape[-1] != x.shape[-3]:  # q's (*B, Hkv): each kv head's query group
         d = d.repeat_interleave(x.shape[-3] // d.shape[-1], dim=-1)
     if not (d.requires_grad and torch.is_grad_enabled()):
-        from . import native
+        from .. import native
 
         out = native.fp8_dequantize(x, d, target)
         if out is not None:

@@ -66,7 +66,7 @@ def alibi_term(spec: AttentionSpec, q0: int, q1: int, j: Tensor, dtype: torch.dt
     (:func:`attnkit.native.alibi_tile`)."""
     ip, slopes = spec.aligned_rows(q0, q1), spec.alibi_rows(q0, q1)
     if spec.q.device.type == "cpu" and (where is None or where.shape[1] == 1):
-        from . import native
+        from .. import native
 
         tile = native.alibi_tile(ip, j, slopes, where, dtype, cols=cols)
         if tile is not None:
@@ -162,7 +162,7 @@ def softcap_(s: Tensor, cap: float, inplace: bool) -> Tensor:
     where it can, in differentiable torch ops when the caller differentiates this."""
     if torch.is_grad_enabled() and s.requires_grad:
         return torch.tanh(s) * cap
-    from . import native
+    from .. import native
 
     if not inplace:
         s = s.clone()
@@ -174,7 +174,7 @@ def softcap_(s: Tensor, cap: float, inplace: bool) -> Tensor:
 def softcap_grad(ds: Tensor, raw: Tensor, cap: float) -> Tensor:
     """The gradient through ``cap * tanh(raw)``: ``ds * cap * (1 - tanh(raw)^2)``."""
     if not torch.is_grad_enabled():
-        from . import native
+        from .. import native
 
         fast = native.softcap_backward(ds, raw, cap)
         if fast is not None:

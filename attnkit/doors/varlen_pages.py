@@ -23,10 +23,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .checks import check_cu
-from .fp8 import check_out_dtype
-from .pages import _index_tensor
-from .spec import DoorOptions, Options
+from ..kv.pages import _index_tensor
+from ..terms.checks import check_cu
+from ..terms.fp8 import check_out_dtype
+from ..terms.spec import DoorOptions, Options
 
 #: What varlen_attention takes over a paged cache: forward only (serving), and the options
 #: the paged calls carry per sequence
@@ -55,7 +55,7 @@ def varlen_over_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q:
     """:func:`attnkit.varlen_attention` with ``block_table``: q ``(Tq, Hq, Dqk)`` packed,
     pages ``(num_pages, page_size, Hkv, D)``, ``block_table (S, max_pages)``, ``seqused_kv
     (S,)``; out ``(Tq, Hq, Dv)`` (and lse ``(Hq, Tq)``). Forward only."""
-    from .paged import paged_attention_blocks
+    from ..kv.paged import paged_attention_blocks
 
     options = {"causal": True, "diagonal": "bottom_right", **options}
     opts = Options.from_kwargs("varlen_attention", options, TAKES)

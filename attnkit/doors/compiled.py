@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
-from .mods import call_mask_mod
+from ..engine import ops
+from ..terms.mods import call_mask_mod
 
 
 def _disable(reason: str) -> Callable[[Callable], Callable]:
@@ -104,7 +104,7 @@ def _mask_for_op(mask: Any, q: Tensor, k: Tensor) -> Any:
     if mask is None or isinstance(mask, Tensor):
         return mask
     if hasattr(mask, "kv_num_blocks"):
-        from .block_mask import BlockMask
+        from ..terms.block_mask import BlockMask
 
         bm = mask if isinstance(mask, BlockMask) else BlockMask.from_torch(mask)
         return bm if bm.mask_mod is None or _is_builtin(bm.mask_mod) else dense_mask(bm, q, k)
@@ -115,11 +115,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, opts: Any, wanted: frozenset, bac
               ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`attnkit.attention`'s ``(out, lse, max_scores)`` under torch.compile (a call
     :func:`runs_eagerly` does not send outside the graph)."""
-    from .fp8 import finish_output
+    from ..terms.fp8 import finish_output
 
     if opts.p_scale is not None and torch.is_grad_enabled() and any(
             isinstance(x, Tensor) and x.requires_grad for x in (q, k, v, opts.bias, opts.sinks)):
-        from .api import _P_SCALE_FORWARD_ONLY
+        from .attention import _P_SCALE_FORWARD_ONLY
 
         raise NotImplementedError(_P_SCALE_FORWARD_ONLY)
     opts = opts.merged(mask=_mask_for_op(opts.mask, q, k))

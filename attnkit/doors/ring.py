@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .api import attention_backward, attention_forward
-from .checks import check_window, compute_dtype_of
-from .fp8 import check_out_dtype, finish_output
-from .merge import merge_state
-from .mods import find_captured_tensors, remap
-from .score_mods import alibi, compose
-from .spec import DoorOptions, Options
+from ..kv.merge import merge_state
+from ..terms.checks import check_window, compute_dtype_of
+from ..terms.fp8 import check_out_dtype, finish_output
+from ..terms.mods import find_captured_tensors, remap
+from ..terms.score_mods import alibi, compose
+from ..terms.spec import DoorOptions, Options
+from .attention import attention_backward, attention_forward
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
