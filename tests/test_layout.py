@@ -91,3 +91,33 @@ def test_check_prints_a_plain_table_without_the_extra(monkeypatch, capsys):
                               "grad", "q/k/v", "status"]
     assert out[2].split()[-1] == "ok" and out[3].split()[-1] == "LARGE"
     assert "1.00e-07" in out[2] and "1.00e+00" in out[3]
+
+
+def test_the_paged_cache_names_the_calls_that_read_it():
+    doc = attnkit.PagedKVCache.__doc__
+    for name in ("paged_attention", "paged_attention_blocks", "varlen_attention"):
+        assert name in doc, name
+
+
+def test_attention_names_every_executor_it_can_be_forced_to():
+    from attnkit.backends import BACKENDS
+
+    doc = attnkit.attention.__doc__
+    for name in BACKENDS:
+        assert f'"{name}"' in doc, name
+
+
+def test_a_token_major_query_is_called_so():
+    """(B, L, H, D) where (B, H, L, D) is expected: the message says the layout is wrong."""
+    import torch
+
+    cache = attnkit.PagedKVCache(8, 16, 2, 64)
+    cache.allocate("a")
+    cache.append("a", torch.randn(10, 2, 64), torch.randn(10, 2, 64))
+    q = torch.randn(1, 1, 4, 64)  # one token, 4 heads, token-major
+    with pytest.raises(ValueError, match=r"q\.transpose\(-3, -2\)") as err:
+        attnkit.paged_attention(q, cache, ["a"])
+    assert "(batch, heads, L, d)" in str(err.value)
+    with pytest.raises(ValueError, match=r"q has 3 heads and k has 2"):  # no such guess
+        attnkit.attention(torch.randn(1, 3, 5, 8), torch.randn(1, 2, 5, 8),
+                          torch.randn(1, 2, 5, 8))

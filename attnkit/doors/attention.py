@@ -152,7 +152,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, return_lse: bool = False,
             as a tensor that does not require grad. This is dense (Lq x Lk): for inspection
             and small problems.
         backend: ``"auto"`` (default), or force an executor (``"triton"`` for CUDA tensors,
-            ``"decode"``, ``"fused"``, ``"tiled"``; see :mod:`attnkit.backends`); a forced
+            ``"flash"``, ``"decode"``, ``"fused"``, ``"tiled"``; see :mod:`attnkit.backends`
+            and the executor guide); a forced
             backend that cannot run the call raises ``NotImplementedError`` with its reasons.
 
     Returns ``out``; ``(out, lse)`` with ``return_lse``; ``(out, aux)`` with ``return_aux``;

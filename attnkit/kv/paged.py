@@ -48,6 +48,18 @@ class UnknownSequenceError(KeyError):
 class PagedKVCache:
     """Key/value pages plus the bookkeeping of which sequence owns which page.
 
+    Read it with :func:`paged_attention` (queries ``(B, Hq, Lq, D)`` of some of its
+    sequences, by id), :func:`paged_attention_blocks` (its ``k_pages``/``v_pages`` with a
+    block table, as FlashAttention takes them) or :func:`attnkit.varlen_attention` with
+    ``block_table=`` and ``seqused_kv=`` (packed queries of many sequences: decode rows and
+    prefill chunks in one call)::
+
+        cache = PagedKVCache(num_pages=64, page_size=16, num_kv_heads=2, head_dim=64)
+        cache.allocate("a")
+        cache.append("a", k, v)                    # k, v: (tokens, Hkv, D)
+        out = paged_attention(q, cache, ["a"])     # q: (1, Hq, Lq, D)
+        cache.free("a")
+
     Args:
         num_pages: number of pages in the pool.
         page_size: tokens per page.

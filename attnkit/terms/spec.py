@@ -507,9 +507,13 @@ def _canonical_qkv(q: Tensor, k: Tensor, v: Tensor):
         raise ValueError(f"k has 0 heads but q has {hq}; every query head needs a key/value "
                          f"head (grouped-query attention: Hq a multiple of Hkv)")
     if hkv and hq % hkv != 0:
+        hint = ""
+        if q.dim() >= 3 and q.shape[-2] % hkv == 0 and q.shape[-2] != k.shape[-2]:
+            hint = (f"; q looks token-major ({tuple(q.shape)} read as (..., L, heads, d)): "
+                    f"attnkit takes (batch, heads, L, d), so pass q.transpose(-3, -2)")
         raise ValueError(
             f"q has {hq} heads and k has {hkv}; the number of query heads must be a multiple "
-            f"of the number of key/value heads (grouped-query attention)")
+            f"of the number of key/value heads (grouped-query attention){hint}")
     if q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0]:
         return q, k, v, (q.shape[0],), squeeze  # already canonical (the common case)
     batch = _broadcast_batch([("q", q.shape[:-3]), ("k", k.shape[:-3]), ("v", v.shape[:-3])])
