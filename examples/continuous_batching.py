@@ -10,6 +10,11 @@ attention over the pages.
 
     python examples/continuous_batching.py            # tokens/s against transformers' generate
     python examples/continuous_batching.py --check    # greedy tokens equal generate's, per prompt
+    python examples/continuous_batching.py --transformers-batching   # and generate_batch's
+
+``--transformers-batching`` also times transformers' own continuous batching
+(``generate_batch``, which runs on CPU with its paged cache and "sdpa") on the same requests,
+and checks its tokens equal the server's.
 
 ``--check`` exits non-zero when any request's tokens differ from what ``generate`` gives for its
 prompt alone.
@@ -195,6 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prompts", default="5,70,17,130,1,40",
                     help="prompt lengths, comma separated (cycled over the requests)")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens a step)")
+    ap.add_argument("--transformers-batching", action="store_true",
+                    help="also time transformers' continuous batching (generate_batch)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     model = tiny_llama(args.size)
@@ -225,7 +232,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{total} tokens for {len(requests)} requests in {server.steps} steps: attnkit server "
           f"{total / ours:.1f} tokens/s ({ours:.2f} s), transformers generate one by one "
           f"{total / theirs:.1f} tokens/s ({theirs:.2f} s)")
+    if args.transformers_batching:
+        return batching_comparison(model, requests, done, total)
     return 0
+
+
+def batching_comparison(model, requests: List[Request], done: Dict[int, Request],
+                        total: int) -> int:
+    """transformers' continuous batching on the same requests (all submitted at once, a cache
+    of 64 pages of 16 tokens): its tokens/s, and whether its tokens equal the server's."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(r.max_new for r in requests), do_sample=False,
+                              eos_token_id=None, pad_token_id=0, num_blocks=64, block_size=16,
+                              max_batch_tokens=256)
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=[r.prompt for r in requests], generation_config=config,
+                               progress_bar=False)
+    theirs = time.perf_counter() - t0
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(requests))]
+    same = all(g[:r.max_new] == done[r.rid].generated for g, r in zip(got, requests))
+    print(f"transformers generate_batch (continuous batching): {total / theirs:.1f} tokens/s "
+          f"({theirs:.2f} s); its tokens {'equal' if same else 'DIFFER from'} the server's")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
