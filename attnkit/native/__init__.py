@@ -43,6 +43,15 @@ that, one :class:`NativeKernelWarning` says why and what it costs. ``ATTNKIT_NAT
 loads the AVX2 variant, or builds for this CPU without its AVX-512 instructions (the AVX2
 paths a CPU without AVX-512 takes; the flash kernel then runs on 256-bit registers,
 ``build_info()["flash_bits"]``).
+
+The interface between this module and the C sources is declared once, in ``attnkit.h``: every
+exported function, the flash kernel's argument structs, the constants (:data:`FLASH_BLOCK`,
+:data:`MAX_QUERY_ROWS`, ...) and the error codes with their messages. The bindings are made
+from its prototypes and the constants read from it at import; at load the library's report of
+its own constants, struct layouts and error table is compared with it and with this module's
+ctypes structs, and any difference makes :func:`available` False, :func:`unavailable_reason`
+naming it (expected against found). Every nonzero return of a kernel is a code of that table;
+:func:`kernel_error` turns it into its exception and message.
 """
 
 from __future__ import annotations
@@ -187,8 +196,8 @@ def _parse_header(text: str) -> _Interface:
             for kind, args in _x_items(m.group(2), r"\b([FA])\(([^()]*)\)",
                                        f"AK_FIELDS_{m.group(1)}"):
                 parts = [p.strip() for p in args.split(",")]
-                if len(parts) != (2 if kind == "F" else 3) or not re.fullmatch(r"\w+", parts[1]) \
-                        or (kind == "A" and not parts[2].isdigit()):
+                if (len(parts) != (2 if kind == "F" else 3) or not re.fullmatch(r"\w+", parts[1])
+                        or (kind == "A" and not parts[2].isdigit())):
                     raise _HeaderError(f"attnkit.h: struct {m.group(1)} has {kind}({args}); "
                                        f"expected F(type, field) or A(type, field, count)")
                 c_type = _c_type(parts[0])
@@ -201,6 +210,8 @@ def _parse_header(text: str) -> _Interface:
             raise _HeaderError(f"attnkit.h: no '#define {name}(X)' list")
     constants: Dict[str, int] = {}
     for name, value, _ in _x_items(lists["AK_CONSTANTS"], table, "AK_CONSTANTS"):
+        if name in constants:
+            raise _HeaderError(f"attnkit.h: constant {name} is defined twice")
         constants[name] = int(value)
     errors: Dict[int, Tuple[str, str]] = {}
     for name, value, message in _x_items(lists["AK_ERRORS"], table, "AK_ERRORS"):
@@ -245,7 +256,19 @@ def _read_interface() -> _Interface:
 
 
 _INTERFACE = _read_interface()
-_C = _INTERFACE.constants
+
+
+def _constant(name: str) -> int:
+    """attnkit.h's constant ``name`` (AK_CONSTANTS), which this module reads."""
+    if name not in _INTERFACE.constants:
+        raise _HeaderError(f"attnkit.h: AK_CONSTANTS lacks {name}, which attnkit.native reads; "
+                           f"add it there (the kernels' interface is declared only there)")
+    return _INTERFACE.constants[name]
+
+
+_C = {name: _constant(name) for name in (
+    "AK_ABI", "AK_MAX_QUERY_ROWS", "AK_F32", "AK_BF16", "AK_F16", "AK_E4M3", "AK_E5M2",
+    "AK_FLASH_BLOCK", "AK_FLASH_MAX_DIM", "AK_POOL_MAX", "AK_POOL_STATS")}
 _ABI = _C["AK_ABI"]
 #: Lq limit of the decode kernel: longer query blocks are matmul work for the torch executors
 MAX_QUERY_ROWS = _C["AK_MAX_QUERY_ROWS"]
