@@ -1268,11 +1268,11 @@ _ERROR_TYPES: Dict[str, type] = {"AK_NONFINITE": FlashNonFinite, "AK_BAD_ARGS": 
 
 def kernel_error(code: int, function: str, detail: str = "") -> Exception:
     """The exception for the nonzero return ``code`` of the native ``function`` (its name in
-    attnkit.h, e.g. ``"attnkit_flash_forward"``), from attnkit.h's error table: its
-    :data:`_ERROR_TYPES` class (:class:`FlashNonFinite`, ValueError, MemoryError, else
-    RuntimeError) with a message naming the function, the code's name and value, its message
-    and ``detail`` (the caller's context). A code the table lacks gives a RuntimeError that
-    says so."""
+    attnkit.h, e.g. ``"attnkit_flash_forward"``), from attnkit.h's error table (the one place
+    a code becomes an exception): :class:`FlashNonFinite` for ``AK_NONFINITE``, ValueError
+    for ``AK_BAD_ARGS``, MemoryError for ``AK_NO_MEMORY``, RuntimeError for the others, with a
+    message naming the function, the code's name and value, its message and ``detail`` (the
+    caller's context). A code the table lacks gives a RuntimeError that says so."""
     entry = _INTERFACE.errors.get(int(code))
     if entry is None:
         return RuntimeError(
