@@ -43,6 +43,15 @@ that, one :class:`NativeKernelWarning` says why and what it costs. ``ATTNKIT_NAT
 loads the AVX2 variant, or builds for this CPU without its AVX-512 instructions (the AVX2
 paths a CPU without AVX-512 takes; the flash kernel then runs on 256-bit registers,
 ``build_info()["flash_bits"]``).
+
+The interface between this module and the C sources is declared once, in ``attnkit.h``: every
+exported function, the flash kernel's argument structs, the constants (:data:`FLASH_BLOCK`,
+:data:`MAX_QUERY_ROWS`, ...) and the error codes with their messages. The bindings are made
+from its prototypes and the constants read from it at import; at load the library's report of
+its own constants, struct layouts and error table is compared with it and with this module's
+ctypes structs, and any difference makes :func:`available` False, :func:`unavailable_reason`
+naming it (expected against found). Every nonzero return of a kernel is a code of that table;
+:func:`kernel_error` turns it into its exception and message.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import json
 import math
 import os
 import platform
+import re
 import stat
 import subprocess
 import sys
@@ -73,16 +83,199 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
            "FlashForward", "FlashPages", "flash_prepare", "FlashNonFinite", "FLASH_BLOCK",
-           "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning"]
+           "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning", "kernel_error",
+           "error_codes"]
 
 _HERE = Path(__file__).parent
 # the sources, headers and flags: one list in build.py, which setup.py reads for the wheel
 _SOURCES, _HEADERS, _FLAGS = _build.SOURCES, _build.HEADERS, _build.FLAGS
-_ABI = 15  # AK_ABI in decode.c
-MAX_QUERY_ROWS = 16  # Lq limit: longer query blocks are matmul work for the torch executors
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: the kernels' interface, declared once: every exported function, shared struct, constant and
+#: error code (read below; see the format at its top)
+_HEADER = _HERE / "attnkit.h"
+
+
+# ---- the interface: attnkit.h ------------------------------------------------------------
+#
+# The functions' ctypes bindings are generated from attnkit.h's prototypes, not checked against
+# a copy here: every C source includes the header, so the compiler holds each definition to its
+# prototype, and bindings made from the same text cannot disagree with it (a caller passing the
+# wrong number of arguments meets ctypes' TypeError at the call). The shared structs are checked
+# rather than generated: Python fills their fields by attribute name, and a ctypes Structure
+# takes any attribute name without complaint, so the classes below spell out the fields this
+# code writes and the load proves they are the header's, in order, of its types, at the offsets
+# and sizes the compiler gave them (attnkit_abi_field). Constants and error codes are read from
+# the header and compared with the library's own tables (attnkit_abi_constant,
+# attnkit_error_name/message), which also refuses a library built from another header.
+
+
+@dataclass(frozen=True)
+class _Prototype:
+    """One exported function of attnkit.h: its C return and parameter types (normalised:
+    ``const char *``, ``int64_t``...)."""
+
+    name: str
+    restype: str
+    argtypes: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Interface:
+    """What attnkit.h declares: constants (name -> value), error codes (value -> (name,
+    message)), struct fields (struct -> [(C type, field, array count or None)]) and
+    functions (name -> :class:`_Prototype`), each in the header's order."""
+
+    constants: Dict[str, int]
+    errors: Dict[int, Tuple[str, str]]
+    structs: Dict[str, List[Tuple[str, str, Optional[int]]]]
+    functions: Dict[str, _Prototype]
+
+
+class _HeaderError(ValueError):
+    """attnkit.h holds something its restricted format does not allow."""
+
+
+_SCALARS: Dict[str, Any] = {
+    "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+    "uint8_t": ctypes.c_uint8, "uint16_t": ctypes.c_uint16, "uint32_t": ctypes.c_uint32,
+    "uint64_t": ctypes.c_uint64, "float": ctypes.c_float, "double": ctypes.c_double}
+_C_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def _c_type(text: str) -> str:
+    """A C type as written, normalised: one space between words, `` *`` for each pointer."""
+    return re.sub(r"\s*\*", " *", " ".join(text.split())).strip()
+
+
+def _ctype_of(c_type: str, where: str, result: bool = False) -> Any:
+    """The ctypes type of a C type of attnkit.h's vocabulary (see its top); ``result``: a
+    return type (``void``: None, ``const char *``: a C string)."""
+    if c_type.endswith("*"):
+        return ctypes.c_char_p if result and c_type == "const char *" else ctypes.c_void_p
+    if result and c_type == "void":
+        return None
+    if c_type not in _SCALARS:
+        raise _HeaderError(
+            f"attnkit.h: {where} has type {c_type!r}; the loader reads "
+            f"{', '.join(_SCALARS)}, pointers{' and void' if result else ''}. Use one of "
+            f"those (or extend _SCALARS in attnkit/native/__init__.py)")
+    return _SCALARS[c_type]
+
+
+def _x_items(body: str, pattern: str, what: str) -> List[Tuple[str, ...]]:
+    """The items of an X-macro list's body, each matched by ``pattern``; anything else in the
+    body is an error naming ``what``."""
+    items, rest = [], body
+    for m in re.finditer(pattern, body):
+        items.append(m.groups())
+        rest = rest.replace(m.group(0), " ", 1)
+    if rest.strip():
+        raise _HeaderError(f"attnkit.h: {what} holds {' '.join(rest.split())[:80]!r}, which is "
+                           f"no item of the form its comment gives")
+    return items
+
+
+def _parse_header(text: str) -> _Interface:
+    """Read attnkit.h's text (its restricted format: see the header's top). Raises
+    :class:`_HeaderError` naming what it cannot read."""
+    code = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    if "//" in code:
+        raise _HeaderError("attnkit.h: use /* */ comments only (the loader reads no //)")
+    code = code.replace("\\\n", " ")
+    directives = [line.strip() for line in code.splitlines() if line.lstrip().startswith("#")]
+    body = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith("#"))
+    lists: Dict[str, str] = {}
+    structs: Dict[str, List[Tuple[str, str, Optional[int]]]] = {}
+    for d in directives:
+        m = re.match(r"#\s*define\s+(AK_CONSTANTS|AK_ERRORS)\(X\)(.*)$", d)
+        if m:
+            lists[m.group(1)] = m.group(2)
+            continue
+        m = re.match(r"#\s*define\s+AK_FIELDS_(\w+)\(F,\s*A\)(.*)$", d)
+        if m:
+            fields = []
+            for kind, args in _x_items(m.group(2), r"\b([FA])\(([^()]*)\)",
+                                       f"AK_FIELDS_{m.group(1)}"):
+                parts = [p.strip() for p in args.split(",")]
+                if (len(parts) != (2 if kind == "F" else 3) or not re.fullmatch(r"\w+", parts[1])
+                        or (kind == "A" and not parts[2].isdigit())):
+                    raise _HeaderError(f"attnkit.h: struct {m.group(1)} has {kind}({args}); "
+                                       f"expected F(type, field) or A(type, field, count)")
+                c_type = _c_type(parts[0])
+                _ctype_of(c_type, f"{m.group(1)}.{parts[1]}")
+                fields.append((c_type, parts[1], int(parts[2]) if kind == "A" else None))
+            structs[m.group(1)] = fields
+    table = r'X\(\s*(\w+)\s*,\s*(-?\d+)\s*,\s*((?:"(?:[^"\\]|\\.)*"\s*)+)\)'
+    for name in ("AK_CONSTANTS", "AK_ERRORS"):
+        if name not in lists:
+            raise _HeaderError(f"attnkit.h: no '#define {name}(X)' list")
+    constants: Dict[str, int] = {}
+    for name, value, _ in _x_items(lists["AK_CONSTANTS"], table, "AK_CONSTANTS"):
+        if name in constants:
+            raise _HeaderError(f"attnkit.h: constant {name} is defined twice")
+        constants[name] = int(value)
+    errors: Dict[int, Tuple[str, str]] = {}
+    for name, value, message in _x_items(lists["AK_ERRORS"], table, "AK_ERRORS"):
+        code_ = int(value)
+        if code_ <= 0 or code_ in errors:
+            raise _HeaderError(f"attnkit.h: error {name} = {code_}; codes must be positive and "
+                               f"distinct (0 is AK_OK)")
+        errors[code_] = (name, "".join(_C_STRING.findall(message)))
+    functions: Dict[str, _Prototype] = {}
+    for decl in body.split(";"):
+        if "attnkit_" not in decl:
+            continue
+        decl = " ".join(decl.split())
+        m = re.fullmatch(
+            r"(?P<ret>[A-Za-z_][\w ]*?[ *]+)(?P<name>attnkit_\w+) ?\((?P<args>[^()]*)\)", decl)
+        if m is None:
+            raise _HeaderError(f"attnkit.h: cannot read the declaration {decl[:100]!r}; expected "
+                               f"'RET attnkit_NAME(TYPE name, ...);'")
+        name, ret = m.group("name"), _c_type(m.group("ret"))
+        _ctype_of(ret, f"{name}'s return", result=True)
+        args: List[str] = []
+        params = m.group("args").strip()
+        for i, param in enumerate([] if params == "void" else params.split(",")):
+            pm = re.fullmatch(r"(.*?[ *])(\w+)", param.strip())
+            if pm is None or not pm.group(1).strip():
+                raise _HeaderError(f"attnkit.h: {name}'s parameter {i + 1} {param.strip()!r} is "
+                                   f"not 'TYPE name'")
+            args.append(_c_type(pm.group(1)))
+            _ctype_of(args[-1], f"{name}'s parameter {pm.group(2)}")
+        if name in functions:
+            raise _HeaderError(f"attnkit.h: {name} is declared twice")
+        functions[name] = _Prototype(name, ret, tuple(args))
+    return _Interface(constants, errors, structs, functions)
+
+
+def _read_interface() -> _Interface:
+    try:
+        return _parse_header(_HEADER.read_text())
+    except OSError as exc:
+        raise ImportError(f"attnkit.native: cannot read the kernels' interface {_HEADER}: {exc} "
+                          f"(a broken install: reinstall attnkit)") from exc
+
+
+_INTERFACE = _read_interface()
+
+
+def _constant(name: str) -> int:
+    """attnkit.h's constant ``name`` (AK_CONSTANTS), which this module reads."""
+    if name not in _INTERFACE.constants:
+        raise _HeaderError(f"attnkit.h: AK_CONSTANTS lacks {name}, which attnkit.native reads; "
+                           f"add it there (the kernels' interface is declared only there)")
+    return _INTERFACE.constants[name]
+
+
+_C = {name: _constant(name) for name in (
+    "AK_ABI", "AK_MAX_QUERY_ROWS", "AK_F32", "AK_BF16", "AK_F16", "AK_E4M3", "AK_E5M2",
+    "AK_FLASH_BLOCK", "AK_FLASH_MAX_DIM", "AK_POOL_MAX", "AK_POOL_STATS")}
+_ABI = _C["AK_ABI"]
+#: Lq limit of the decode kernel: longer query blocks are matmul work for the torch executors
+MAX_QUERY_ROWS = _C["AK_MAX_QUERY_ROWS"]
+_DTYPES = {torch.float32: _C["AK_F32"], torch.bfloat16: _C["AK_BF16"],
+           torch.float16: _C["AK_F16"]}
 #: fp8 pages, read with per-(page, kv head) descales and converted in registers
-_FP8 = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_FP8 = {torch.float8_e4m3fn: _C["AK_E4M3"], torch.float8_e5m2: _C["AK_E5M2"]}
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib", "reason", "info" once loading was tried
@@ -320,7 +513,7 @@ def _built_here(cc: str, source: bytes, info: dict) -> Iterator[Union[Path, str]
     yield f"building the native decode kernel failed: {info.get('error')}"
 
 
-def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
+def _load() -> Tuple[Optional[Any], Optional[str], dict]:
     if _disabled():
         return None, "disabled by ATTNKIT_NATIVE=0", {}
     try:
@@ -332,41 +525,15 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         if isinstance(path, str):  # why nothing (further) can be loaded
             return None, path, info
         try:
-            lib = ctypes.CDLL(str(path))
+            cdll = ctypes.CDLL(str(path))
         except OSError as exc:
             if info.get("origin") == "prebuilt":  # the next one (without OpenMP), say
                 info["prebuilt_error"] = f"cannot load {path}: {exc}"
                 continue
             return None, f"cannot load {path}: {exc}", info
-        if lib.attnkit_native_abi() != _ABI:
-            return None, f"{path} has kernel ABI {lib.attnkit_native_abi()}, expected {_ABI}", info
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.attnkit_decode.argtypes = [p, i32, i32, f32, p, p, p, p, p, p, p, i64, p, p, p, i64,
-                                       i64, i32, i32, i32, i32, i64, i32, i64, f32, p, p, p,
-                                       i32]
-        lib.attnkit_decode.restype = i32
-        lib.attnkit_fp8_dequantize.argtypes = [p, i64, i64, p, i32, i32, p, i32]
-        lib.attnkit_fp8_dequantize.restype = i32
-        lib.attnkit_philox.argtypes = [p, p, p, p, p, p, p, ctypes.c_uint32, ctypes.c_uint64, i32,
-                                       ctypes.c_uint32, p]
-        lib.attnkit_philox.restype = None
-        lib.attnkit_softcap_forward.argtypes = [p, i64, f32, i32]
-        lib.attnkit_softcap_forward.restype = None
-        lib.attnkit_softcap_backward.argtypes = [p, p, p, i64, f32, i32]
-        lib.attnkit_softcap_backward.restype = None
-        lib.attnkit_alibi_tile.argtypes = [p, i32, i64, i64, i64, i64, p, i64, p, p, i64, i64,
-                                           p, i64, p, p, p]
-        lib.attnkit_alibi_tile.restype = i32
-        lib.attnkit_pool_stats.argtypes = [p]
-        lib.attnkit_pool_stats.restype = None
-        lib.attnkit_pool_check.argtypes = [i64, i32, i64]  # the pool's self-check (tests)
-        lib.attnkit_pool_check.restype = i64
-        lib.attnkit_peak_fma.argtypes = [i64, i32, f32, f32, p]  # the bench's limits (peak.c)
-        lib.attnkit_peak_fma.restype = ctypes.c_double
-        lib.attnkit_peak_dpbf16.argtypes = [i64, i32, ctypes.c_uint16, p]
-        lib.attnkit_peak_dpbf16.restype = ctypes.c_double
-        lib.attnkit_peak_copy.argtypes = [p, p, i64, i32]
-        lib.attnkit_peak_copy.restype = None
+        lib, why = _interface(str(path), cdll)
+        if lib is None:
+            return None, why, info
         info["f16"] = bool(lib.attnkit_native_has_f16())
         info["bf16_dot"] = bool(lib.attnkit_native_has_dpbf16())
         info["fp8_dot"] = bool(lib.attnkit_native_has_fp8dot())
@@ -374,23 +541,30 @@ def _load() -> Tuple[Optional[ctypes.CDLL], Optional[str], dict]:
         info["flash_bits"] = int(lib.attnkit_flash_available())  # 512, 256 (AVX2) or 0
         info["flash"] = info["flash_bits"] > 0
         info["flash_bf16"] = bool(lib.attnkit_flash_has_bf16dot())
-        lib.attnkit_team_openmp.argtypes = [i32]
-        lib.attnkit_team_openmp.restype = i32
-        lib.attnkit_team_tune.argtypes = [i64, i64]
-        lib.attnkit_team_tune.restype = None
         info["team"] = _choose_team(lib)
-        lib.attnkit_flash_forward.argtypes = [p]
-        lib.attnkit_flash_forward.restype = i32
-        lib.attnkit_flash_backward.argtypes = [p, p]
-        lib.attnkit_flash_backward.restype = i32
-        lib.attnkit_flash_workspace.argtypes = [i32]
-        lib.attnkit_flash_workspace.restype = i64
-        if lib.attnkit_flash_args_size() != ctypes.sizeof(_FlashArgs):
-            return None, (f"{path}: the flash kernel's argument block has "
-                          f"{lib.attnkit_flash_args_size()} bytes, expected "
-                          f"{ctypes.sizeof(_FlashArgs)}"), info
         return lib, None, info
     return None, "no native library to load", info  # not reached: _libraries ends with why
+
+
+def _interface(path: str, cdll: ctypes.CDLL) -> Tuple[Optional[_Kernels], Optional[str]]:
+    """The library at ``path`` bound as attnkit.h declares it, or None and why not: another
+    ABI version (checked first: an older library may lack the rest), a declared function it
+    does not export, or any difference :func:`_check_interface` finds."""
+    try:
+        abi = cdll.attnkit_native_abi
+    except AttributeError:
+        return None, f"{path} is no attnkit kernel library (no attnkit_native_abi)"
+    abi.restype, abi.argtypes = ctypes.c_int, []
+    if abi() != _ABI:
+        return None, f"{path} has kernel ABI {abi()}, expected {_ABI} (attnkit.h's AK_ABI)"
+    lib, problems = _bind(path, cdll, _INTERFACE)
+    if lib is not None:
+        problems = _check_interface(_INTERFACE, *_library_tables(lib))
+    if problems:
+        return None, (f"{path} does not match the interface attnkit.h declares: "
+                      + "; ".join(problems[:4])
+                      + (f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""))
+    return lib, None
 
 
 def _openmp_runtimes() -> Optional[set]:
@@ -406,7 +580,7 @@ def _openmp_runtimes() -> Optional[set]:
                 "libgomp", "libiomp", "libomp"))}
 
 
-def _choose_team(lib: ctypes.CDLL) -> str:
+def _choose_team(lib: Any) -> str:
     """Where the flash kernel's parallel regions run: ``"openmp"``, torch's own OpenMP
     threads, when the library was built with OpenMP, torch's parallel backend is OpenMP and
     the process holds one OpenMP runtime (so the library's is torch's: on Linux the loader
@@ -423,7 +597,7 @@ def _choose_team(lib: ctypes.CDLL) -> str:
     return "openmp" if lib.attnkit_team_openmp(1) else "pool"
 
 
-def _lib() -> Optional[ctypes.CDLL]:
+def _lib() -> Optional[Any]:
     failed = None
     with _lock:
         if not _state:
@@ -603,6 +777,13 @@ def paged_decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
                     alibi_slopes=alibi_slopes, k_descale=k_descale, v_descale=v_descale)
 
 
+#: what the decode kernel's AK_BAD_ARGS means for its caller
+_DECODE_REFUSED = ("the native decode kernel checks for a page index outside [0, num_pages) "
+                   "among the pages a sequence uses, a sequence longer than its block-table "
+                   "row or than the keys the call was given, and impossible dims; the callers' "
+                   "checks (attnkit.pages) explain such input")
+
+
 class DecodeCall:
     """What stays the same from one :func:`paged_decode` call to the next in a decoding loop,
     worked out once: the query's dtype and head dim, the pages' dtype, the scale, the mask
@@ -705,14 +886,8 @@ class DecodeCall:
             per_split, self.code, *self.flags, self.softcap,
             slopes.data_ptr() if slopes is not None else None, out.data_ptr(),
             lse.data_ptr() if lse is not None else None, self.threads)
-        if rc == 2:
-            raise ValueError(
-                "native decode kernel refused its arguments (a page index outside [0, "
-                "num_pages) among the pages a sequence uses, a sequence longer than its "
-                "block-table row or than the keys the call was given, or impossible dims); "
-                "the callers' checks (attnkit.pages) explain such input")
-        if rc != 0:
-            raise MemoryError("native decode kernel could not allocate its scratch buffers")
+        if rc != 0:  # AK_BAD_ARGS: ValueError, AK_NO_MEMORY: MemoryError
+            raise kernel_error(rc, "attnkit_decode", _DECODE_REFUSED)
         if splits == 1:  # (out is (B, Hq, Lq, Dv) already)
             return out, None if lse is None else lse[0]
         from ..kv.merge import merge_states
@@ -741,7 +916,7 @@ def fp8_dequantize(x: Tensor, descale: Tensor, dtype: torch.dtype) -> Optional[T
     rc = lib.attnkit_fp8_dequantize(x.data_ptr(), slabs, x.shape[-1] * x.shape[-2],
                                     d.data_ptr(), _FP8[x.dtype], int(dtype == torch.bfloat16),
                                     out.data_ptr(), torch.get_num_threads())
-    return out if rc == 0 else None
+    return out if rc == 0 else None  # (AK_BAD_ARGS: the caller's torch ops)
 
 
 def dense_decode(q: Tensor, k: Tensor, v: Tensor, scale: float,
@@ -841,7 +1016,7 @@ def alibi_tile(ip: Tensor, j: Tensor, slopes: Tensor, vis: Optional[Tensor],
                                 None if bounds is None else bounds[0].data_ptr(),
                                 None if bounds is None else bounds[1].data_ptr(),
                                 scratch.data_ptr())
-    return out if rc == 0 else None
+    return out if rc == 0 else None  # (AK_BAD_ARGS: the caller's torch ops)
 
 
 def softcap_forward_(x: Tensor, cap: float) -> bool:
@@ -870,10 +1045,10 @@ _POOL_STATS = ("threads", "calls", "parallel_runs", "busy_runs", "woken", "calle
                "last_threads", "team_late", "team_held")
 
 
-#: keys per block of the flash kernel (AK_FN in flash.c): key segment ids and
+#: keys per block of the flash kernel (attnkit.h's AK_FLASH_BLOCK): key segment ids and
 #: relative-position tables must reach this far past the last key
-FLASH_BLOCK = 64
-_FLASH_MAX_DIM = 256  # AK_FD
+FLASH_BLOCK = _C["AK_FLASH_BLOCK"]
+_FLASH_MAX_DIM = _C["AK_FLASH_MAX_DIM"]
 #: bfloat16 inputs: q.k and P V in bfloat16 dot products (AVX512-BF16, D a multiple of 32),
 #: P rounded to bfloat16 as torch's bfloat16 kernels round it; False: float32 arithmetic
 FLASH_BF16_DOT = True
@@ -881,7 +1056,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c
 
 
 class _FlashArgs(ctypes.Structure):
-    """ak_flash_args in flash.c, field for field."""
+    """ak_flash_args of attnkit.h, field for field (checked at load: _check_struct)."""
 
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("dtype", _I32), ("N", _I64), ("Hq", _I64),
                 ("Hkv", _I64), ("Lq", _I64), ("Lk", _I64), ("d", _I64), ("dv", _I64),
@@ -899,7 +1074,7 @@ class _FlashArgs(ctypes.Structure):
 
 
 class _FlashGrads(ctypes.Structure):
-    """ak_flash_grads in flash.c."""
+    """ak_flash_grads of attnkit.h, field for field (checked at load: _check_struct)."""
 
     _fields_ = [("dout", _P), ("out", _P), ("dout_dtype", _I32), ("out_dtype", _I32),
                 ("lse", _P), ("dlse", _P), ("delta", _P), ("dq", _P), ("dk", _P), ("dv", _P),
@@ -909,6 +1084,209 @@ class _FlashGrads(ctypes.Structure):
 class FlashNonFinite(ArithmeticError):
     """An input of a flash kernel call holds a NaN or an infinity (the kernel's result would
     not carry them as the math does): the caller runs another path."""
+
+
+# ---- the interface at load: the library against attnkit.h, attnkit.h against this module --
+
+#: the shared structs of attnkit.h and the classes that mirror them
+_STRUCTS = {"ak_flash_args": _FlashArgs, "ak_flash_grads": _FlashGrads}
+
+
+def _describe_ctype(t: Any) -> str:
+    """A ctypes type as its C meaning: ``int64``, ``uint32``, ``float32``, ``pointer``,
+    ``int64[3]``."""
+    if isinstance(t, type) and issubclass(t, ctypes.Array):
+        return f"{_describe_ctype(t._type_)}[{t._length_}]"
+    if t in (ctypes.c_void_p, ctypes.c_char_p) or (
+            isinstance(t, type) and issubclass(t, ctypes._Pointer)):
+        return "pointer"
+    if t is ctypes.c_float:
+        return "float32"
+    if t is ctypes.c_double:
+        return "float64"
+    code = getattr(t, "_type_", None)
+    if isinstance(code, str) and code in "bBhHiIlLqQ":
+        return f"{'int' if code.islower() else 'uint'}{8 * ctypes.sizeof(t)}"
+    return getattr(t, "__name__", repr(t))
+
+
+def _describe_c(c_type: str, count: Optional[int]) -> str:
+    """A C type of attnkit.h as :func:`_describe_ctype` describes its ctypes type."""
+    one = "pointer" if c_type.endswith("*") else _describe_ctype(_SCALARS[c_type])
+    return one if count is None else f"{one}[{count}]"
+
+
+def _check_struct(name: str, cls: Any, fields: List[Tuple[str, str, Optional[int]]],
+                  layout: Optional[Dict[str, Tuple[int, int]]] = None) -> List[str]:
+    """How the ctypes Structure ``cls`` differs from attnkit.h's struct ``name`` (its
+    ``fields``: C type, field, array count) and, with ``layout`` (``"name"`` and
+    ``"name.field"`` -> (offset, size), what the library reports), from the compiler's layout:
+    every field in order, its type, offset and size, and the whole size. Empty when they
+    agree."""
+    ours = [(f[0], f[1]) for f in cls._fields_]
+    problems = []
+    for i in range(max(len(ours), len(fields))):
+        theirs = fields[i] if i < len(fields) else None
+        mine = ours[i] if i < len(ours) else None
+        if theirs is None:
+            problems.append(f"{cls.__name__} has field {mine[0]!r} (number {i + 1}), which "
+                            f"attnkit.h's {name} lacks")
+        elif mine is None:
+            problems.append(f"attnkit.h's {name} has field {theirs[1]!r} (number {i + 1}, "
+                            f"{theirs[0]}), which {cls.__name__} lacks")
+        elif mine[0] != theirs[1]:
+            problems.append(f"field number {i + 1} of {name} is {theirs[1]!r} in attnkit.h but "
+                            f"{mine[0]!r} in {cls.__name__}")
+        elif _describe_c(theirs[0], theirs[2]) != _describe_ctype(mine[1]):
+            problems.append(f"{name}.{theirs[1]} is {theirs[0]}"
+                            f"{'' if theirs[2] is None else f'[{theirs[2]}]'} "
+                            f"({_describe_c(theirs[0], theirs[2])}) in attnkit.h but "
+                            f"{_describe_ctype(mine[1])} in {cls.__name__}")
+        if problems:  # (after the first difference the rest are shifted: one is enough)
+            return problems
+    if layout is None:
+        return problems
+    entries = [(name, 0, ctypes.sizeof(cls))] + [
+        (f"{name}.{f}", getattr(cls, f).offset, getattr(cls, f).size) for f, _ in ours]
+    for key, offset, size in entries:
+        if key not in layout:
+            problems.append(f"the library reports no {key} (it was built from another "
+                            f"attnkit.h)")
+            continue
+        c_offset, c_size = layout[key]
+        if key == name and c_size != size:
+            problems.append(f"{name} has {c_size} bytes in the library but {size} in "
+                            f"{cls.__name__}")
+        elif key != name and (c_offset, c_size) != (offset, size):
+            problems.append(f"{key} lies at offset {c_offset}, {c_size} bytes, in the library "
+                            f"but at offset {offset}, {size} bytes, in {cls.__name__}")
+    known = {e[0] for e in entries}
+    extra = sorted(k for k in layout if k.split(".")[0] == name and k not in known)
+    problems += [f"the library reports {k}, which attnkit.h's {name} lacks" for k in extra]
+    return problems
+
+
+def _library_tables(lib: Any) -> Tuple[Dict[str, int], Dict[str, Tuple[int, int]],
+                                       Dict[int, Tuple[Optional[str], Optional[str]]]]:
+    """The library's own view of the interface: its constants, its structs' layouts and, for
+    every code of attnkit.h's table, the name and message it gives."""
+    value, offset, size = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    constants: Dict[str, int] = {}
+    for i in range(10_000):
+        name = lib.attnkit_abi_constant(i, ctypes.byref(value))
+        if name is None:
+            break
+        constants[name.decode()] = value.value
+    layout: Dict[str, Tuple[int, int]] = {}
+    for i in range(10_000):
+        name = lib.attnkit_abi_field(i, ctypes.byref(offset), ctypes.byref(size))
+        if name is None:
+            break
+        layout[name.decode()] = (offset.value, size.value)
+    errors = {}
+    for code in _INTERFACE.errors:
+        n, m = lib.attnkit_error_name(code), lib.attnkit_error_message(code)
+        errors[code] = (None if n is None else n.decode(), None if m is None else m.decode())
+    return constants, layout, errors
+
+
+def _check_interface(spec: _Interface, constants: Dict[str, int],
+                     layout: Dict[str, Tuple[int, int]],
+                     errors: Dict[int, Tuple[Optional[str], Optional[str]]]) -> List[str]:
+    """How the library (its ``constants``, struct ``layout`` and ``errors``, as
+    :func:`_library_tables` reads them) and this module differ from attnkit.h's ``spec``:
+    each constant's value, each struct against its ctypes class, each error code's name and
+    message, and the Python tables sized by the header. Empty when everything agrees."""
+    problems = []
+    for name, value in spec.constants.items():
+        if name not in constants:
+            problems.append(f"constant {name}: attnkit.h says {value}, the library has none")
+        elif constants[name] != value:
+            problems.append(f"constant {name}: attnkit.h says {value}, the library was built "
+                            f"with {constants[name]}")
+    problems += [f"constant {name}: the library has {constants[name]}, attnkit.h has none"
+                 for name in constants if name not in spec.constants]
+    for name in sorted(set(spec.structs) | set(_STRUCTS)):
+        if name not in _STRUCTS:
+            problems.append(f"attnkit.h declares struct {name}, which attnkit.native has no "
+                            f"ctypes class for (add it to _STRUCTS)")
+        elif name not in spec.structs:
+            problems.append(f"attnkit.native's {_STRUCTS[name].__name__} mirrors struct {name}, "
+                            f"which attnkit.h does not declare (AK_FIELDS_{name})")
+        else:
+            problems += _check_struct(name, _STRUCTS[name], spec.structs[name], layout)
+    for code, (name, message) in spec.errors.items():
+        if errors.get(code) != (name, message):
+            found = errors.get(code, (None, None))
+            problems.append(f"error code {code}: attnkit.h has {name} ({message!r}), the library "
+                            f"{found[0]} ({found[1]!r})")
+    unknown = sorted(set(_ERROR_TYPES) - {n for n, _ in spec.errors.values()})
+    if unknown:
+        problems.append(f"attnkit.native raises its own exception for {', '.join(unknown)}, "
+                        f"which attnkit.h's AK_ERRORS does not list")
+    if len(_POOL_STATS) != spec.constants.get("AK_POOL_STATS"):
+        problems.append(f"constant AK_POOL_STATS: attnkit.h says "
+                        f"{spec.constants.get('AK_POOL_STATS')}, attnkit.native names "
+                        f"{len(_POOL_STATS)} counters (_POOL_STATS)")
+    return problems
+
+
+class _Kernels:
+    """The loaded library's functions, one attribute each, bound as attnkit.h declares them
+    (argtypes, restype); nothing else: a function the header does not declare is no
+    attribute (AttributeError) rather than an unchecked ctypes default."""
+
+    def __init__(self, path: str, cdll: ctypes.CDLL) -> None:
+        self.path = path
+        self.cdll = cdll
+
+
+def _bind(path: str, cdll: ctypes.CDLL, spec: _Interface
+          ) -> Tuple[Optional[_Kernels], List[str]]:
+    """Every function attnkit.h declares, from ``cdll``, with its argtypes and restype; or
+    what the library lacks."""
+    lib, missing = _Kernels(path, cdll), []
+    for name, proto in spec.functions.items():
+        try:
+            fn = getattr(cdll, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        fn.restype = _ctype_of(proto.restype, name, result=True)
+        fn.argtypes = [_ctype_of(t, name) for t in proto.argtypes]
+        setattr(lib, name, fn)
+    if missing:
+        return None, [f"attnkit.h declares {', '.join(missing)}, which {path} does not export "
+                      f"(it was built from other sources)"]
+    return lib, []
+
+
+#: the Python exception of an error code (by its name in attnkit.h); RuntimeError for others
+_ERROR_TYPES: Dict[str, type] = {"AK_NONFINITE": FlashNonFinite, "AK_BAD_ARGS": ValueError,
+                                 "AK_NO_MEMORY": MemoryError}
+
+
+def kernel_error(code: int, function: str, detail: str = "") -> Exception:
+    """The exception for the nonzero return ``code`` of the native ``function`` (its name in
+    attnkit.h, e.g. ``"attnkit_flash_forward"``), from attnkit.h's error table (the one place
+    a code becomes an exception): :class:`FlashNonFinite` for ``AK_NONFINITE``, ValueError
+    for ``AK_BAD_ARGS``, MemoryError for ``AK_NO_MEMORY``, RuntimeError for the others, with a
+    message naming the function, the code's name and value, its message and ``detail`` (the
+    caller's context). A code the table lacks gives a RuntimeError that says so."""
+    entry = _INTERFACE.errors.get(int(code))
+    if entry is None:
+        return RuntimeError(
+            f"{function} returned {code}, which attnkit.h's error table (AK_ERRORS) does not "
+            f"name: the library and attnkit.h differ; rebuild the kernels (remove the kernel "
+            f"cache folder) or reinstall attnkit")
+    name, message = entry
+    text = f"{function}: {message} ({name} = {code})"
+    return _ERROR_TYPES.get(name, RuntimeError)(f"{text}; {detail}" if detail else text)
+
+
+def error_codes() -> Dict[str, Tuple[int, str]]:
+    """attnkit.h's error table: each code's name -> (value, message)."""
+    return {name: (code, message) for code, (name, message) in _INTERFACE.errors.items()}
 
 
 def _rows_i32(x: Optional[Tensor], n: int, length: int, name: str) -> Tuple[Optional[Tensor], int]:
@@ -1034,7 +1412,7 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
     if any(x.device.type != "cpu" for x in (q, k, v)):
         raise ValueError("flash runs on CPU tensors")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    threads = max(1, min(torch.get_num_threads(), 64))
+    threads = max(1, min(torch.get_num_threads(), _C["AK_POOL_MAX"]))
     table = lens = None
     if pages is not None:
         table, lens = _page_table(pages, n, k.shape[0], k.shape[1])
@@ -1200,10 +1578,8 @@ class FlashForward:
         a.out, a.lse, a.out_dtype = out.data_ptr(), lse.data_ptr(), _DTYPES[self.dtype]
         rc = self.lib.attnkit_flash_forward(ctypes.byref(a))
         del keep, kt, vf
-        if rc == 1:
-            raise FlashNonFinite("flash_forward: q, k or v holds a NaN or an infinity")
-        if rc != 0:
-            raise RuntimeError(f"attnkit_flash_forward refused its arguments (code {rc})")
+        if rc != 0:  # AK_NONFINITE: FlashNonFinite (q, k or v holds a NaN or an infinity)
+            raise kernel_error(rc, "attnkit_flash_forward")
         return out, lse
 
 
@@ -1317,10 +1693,8 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
                     and d % 32 == 0 and dv % 32 == 0 and bool(_state["info"].get("flash_bf16")))
     rc = _lib().attnkit_flash_backward(ctypes.byref(a), ctypes.byref(g))
     del keep
-    if rc == 1:
-        raise FlashNonFinite("flash_backward: q, k or v holds a NaN or an infinity")
-    if rc != 0:
-        raise RuntimeError(f"attnkit_flash_backward refused its arguments (code {rc})")
+    if rc != 0:  # AK_NONFINITE: FlashNonFinite (q, k or v holds a NaN or an infinity)
+        raise kernel_error(rc, "attnkit_flash_backward")
     return dq_out, dk, dvv, table_grad_sum(), delta
 
 

@@ -47,8 +47,10 @@ HERE = Path(__file__).parent
 #: every C file compiled into the one library (``tests/test_packaging.py`` checks that this
 #: names every ``.c`` file of this folder) and every header they include
 SOURCES = tuple(HERE / name for name in (
-    "decode.c", "philox.c", "softcap.c", "terms.c", "flash.c", "pool.c", "peak.c"))
-HEADERS = tuple(HERE / name for name in ("vecmath.h", "pool.h", "avx2_as_512.h"))
+    "decode.c", "philox.c", "softcap.c", "terms.c", "flash.c", "pool.c", "peak.c", "abi.c"))
+#: attnkit.h: the interface the loader reads (every exported function, shared struct,
+#: constant and error code; see its top)
+HEADERS = tuple(HERE / name for name in ("attnkit.h", "vecmath.h", "pool.h", "avx2_as_512.h"))
 #: the flags of every build, prebuilt or built here; the instruction set comes on top
 FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 #: the flash kernel may run on torch's OpenMP threads (pool.c's ak_team_run); a build without

@@ -30,10 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attnkit.h"
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 15
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
@@ -44,10 +44,8 @@
 #define AK_H16 1
 #endif
 
-enum { AK_F32 = 0, AK_BF16 = 1, AK_F16 = 2, AK_E4M3 = 3, AK_E5M2 = 4 };
 /* bytes per element of a page dtype */
 #define AK_ESZ(dtype) ((dtype) == AK_F32 ? 4 : (dtype) >= AK_E4M3 ? 1 : 2)
-enum { AK_BAD_ARGS = 2 };
 
 typedef float ak_v8 __attribute__((vector_size(32)));
 typedef float ak_v4 __attribute__((vector_size(16)));
@@ -125,8 +123,6 @@ typedef struct {
     uint8_t tab[2][128];
     uint8_t order[6][64];
 } ak_job;
-
-int attnkit_native_abi(void) { return AK_ABI; }
 
 int attnkit_native_has_f16(void) {
 #ifdef __FLT16_MAX__
@@ -1707,8 +1703,8 @@ static int check_args(const ak_job *job, int64_t num_pages) {
     return 0;
 }
 
-/* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
- * nothing done) when check_args refuses the arguments. */
+/* Returns AK_OK, AK_NO_MEMORY when no worker could allocate its scratch buffer, AK_BAD_ARGS
+ * (nothing done) when check_args refuses the arguments. */
 int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
@@ -1742,7 +1738,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
     if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
 #endif
     job.ntasks = job.B * job.splits;
-    if (job.ntasks == 0) return 0;
+    if (job.ntasks == 0) return AK_OK;
     /* threads only where each gets enough work to repay waking it: multiply-adds of the
      * scores and P V over every sequence's keys, AK_DECODE_WORK_PER_THREAD per thread, as
      * many as the caller's `nthreads` (torch.get_num_threads()) at most */
@@ -1757,7 +1753,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
     ak_pool_run(decode_worker, &job, (int)n);
     /* a worker that could not allocate takes no task; one that could drains the queue, which
      * leaves the counter past ntasks */
-    return __atomic_load_n(&job.next, __ATOMIC_RELAXED) > job.ntasks ? 0 : 1;
+    return __atomic_load_n(&job.next, __ATOMIC_RELAXED) > job.ntasks ? AK_OK : AK_NO_MEMORY;
 }
 
 /* ---- fp8 dequantization: x8 * descale into float32 or bfloat16, for fp8 q/k/v ----------
@@ -1817,7 +1813,7 @@ static void dq_worker(void *arg, int worker, int nworkers) {
     while (ak_next_block(&p->next, AK_DQ_BLOCK, p->n, &a, &e)) dq_range(p, a, e);
 }
 
-/* Returns 0, or 2 (AK_BAD_ARGS, nothing written) for arguments it cannot run. */
+/* Returns AK_OK, or AK_BAD_ARGS (nothing written) for arguments it cannot run. */
 int attnkit_fp8_dequantize(const void *src, int64_t slabs, int64_t slab_len,
                            const float *descale, int fmt, int out_bf16, void *dst,
                            int nthreads) {
@@ -1830,11 +1826,11 @@ int attnkit_fp8_dequantize(const void *src, int64_t slabs, int64_t slab_len,
     ak_dq_job job = {.src = (const uint8_t *)src, .slabs = slabs, .slab_len = slab_len,
                      .n = slabs * slab_len, .descale = descale, .fmt = fmt,
                      .out_bf16 = out_bf16 != 0, .dst = dst, .next = 0};
-    if (job.n == 0) return 0;
+    if (job.n == 0) return AK_OK;
     int64_t n = job.n / (4 * AK_DQ_BLOCK);
     if (n > nthreads) n = nthreads;
     if (n > AK_POOL_MAX) n = AK_POOL_MAX;
     if (n < 1) n = 1;
     ak_pool_run(dq_worker, &job, (int)n);
-    return 0;
+    return AK_OK;
 }

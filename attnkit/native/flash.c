@@ -38,60 +38,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attnkit.h"
 #include "pool.h"
 
 #define AK_FM 64  /* query rows per work item */
-#define AK_FN 64  /* keys per block */
+#define AK_FN AK_FLASH_BLOCK /* keys per block */
 #define AK_FR 4   /* query rows per register group */
-#define AK_FD 256 /* largest head dim */
+#define AK_FD AK_FLASH_MAX_DIM /* largest head dim */
 
-typedef struct {
-    const void *q, *k, *v;
-    int32_t dtype; /* 0 float32, 1 bfloat16, 2 float16 */
-    int64_t N, Hq, Hkv, Lq, Lk, d, dv;
-    int64_t qs[3], ks[3], vs[3]; /* strides (elements) of batch, head, row */
-    float scale;
-    /* visibility: lo/hi per (N|1, Lq); bstride 0 when shared by the batch */
-    const int32_t *lo, *hi;
-    int64_t bounds_bstride;
-    const int32_t *qseg, *kseg; /* per (N|1, Lq) and (N|1, Lk + AK_FN), or NULL */
-    int64_t qseg_bstride, kseg_bstride;
-    float softcap; /* 0: none */
-    const float *alibi; /* slopes (N|1, Hq) times log2(e), or NULL */
-    int64_t alibi_bstride;
-    const int32_t *ipos; /* aligned row positions (N|1, Lq) for ALiBi */
-    int64_t ipos_bstride;
-    const float *rel; /* (Hq|1, rel_len) times log2(e), or NULL */
-    int64_t rel_hstride, rel_base;
-    const float *sinks; /* (Hq,) or NULL */
-    float *kt;  /* scratch: N * Hkv * nkb * d * AK_FN floats */
-    float *vf;  /* scratch: N * Hkv * Lk * dv floats when v is not float32, else NULL */
-    float *out, *lse;
-    float *ws; /* workspace: `threads` x attnkit_flash_workspace(backward) floats */
-    int32_t threads;
-    /* bfloat16 inputs: q.k and P V by vdpbf16ps (products exact in float32, P rounded to
-     * bfloat16 as torch's bfloat16 kernels round it); needs AVX512-BF16 and D % 32 == 0 */
-    int32_t bf16dot;
-    int32_t out_dtype; /* out: 0 float32, 1 bfloat16, 2 float16 */
-    int32_t *bad;      /* set to 1 when an input holds a NaN or an infinity */
-    /* dropout (attnkit/dropout.py's Philox-4x32-10, bit for bit): weight (b, h, i, j) is kept
-     * when (word >> 8) >= drop_threshold (ak_keep64), kept weights scaled by drop_scale */
-    int32_t dropout;
-    uint32_t drop_threshold, drop_offset;
-    uint64_t drop_seed;
-    float drop_scale;
-    /* keys and values read in place from pages through a block table (NULL: k and v as
-     * above; forward only): k and v are then (P, page, Hkv, d|dv) pages with ks/vs the
-     * strides of page, head and slot, key j of batch row n is slot j % page of page
-     * table[n * table_w + j / page], and row n has kv_len[n] keys (Lk is table_w * page;
-     * keys past kv_len[n] are never read, so the table needs no valid entry for them) */
-    const int64_t *table;
-    int64_t table_w, page;
-    const int64_t *kv_len;
-    /* each row's largest score (natural units, after every term; -inf for a row that sees
-     * no key), (N, Hq, Lq) float32, or NULL */
-    float *mx;
-} ak_flash_args;
+/* ak_flash_args and ak_flash_grads: attnkit.h */
 
 /* floats of workspace one worker needs (forward: 0, backward: 1) */
 #define AK_WS_FWD (2 * AK_FM * AK_FD + AK_FM * AK_FN)
@@ -978,25 +933,27 @@ static void ak_fwd_worker(void *vctx, int w, int nw) {
 
 int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
-        return -1;
-    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
-    if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
-    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
-    if (a->dtype == 0 && a->vf == NULL && a->vs[2] < a->dv) return -3;
+        return AK_BAD_HEAD_DIM;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv) return AK_BAD_HEADS;
+    if (a->dtype < AK_F32 || a->dtype > AK_F16) return AK_BAD_DTYPE;
+    if (a->threads < 1 || a->threads > AK_POOL_MAX) return AK_BAD_THREADS;
+    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return AK_OK;
+    if (a->dtype == AK_F32 && a->vf == NULL && a->vs[2] < a->dv) return AK_BAD_LAYOUT;
     if (a->table != NULL && (a->vf == NULL || a->kv_len == NULL || a->page <= 0 ||
                              a->table_w * a->page != a->Lk))
-        return -3; /* (paged values are always packed: no block of them is one strided run) */
+        return AK_BAD_LAYOUT; /* (paged values are always packed: no block is one strided run) */
 #ifndef AK_FLASH_BF16
-    if (a->bf16dot) return -5;
+    if (a->bf16dot) return AK_NO_BF16_DOT;
 #endif
-    if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->vf == NULL)) return -5;
-    if (a->bad == NULL || a->out_dtype < 0 || a->out_dtype > 2) return -7;
+    if (a->bf16dot && (a->dtype != AK_BF16 || a->d % 32 || a->vf == NULL)) return AK_NO_BF16_DOT;
+    if (a->out_dtype < AK_F32 || a->out_dtype > AK_F16) return AK_BAD_DTYPE;
+    if (a->bad == NULL || a->kt == NULL || a->out == NULL || a->lse == NULL) return AK_NO_BUFFER;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
     ak_pack_ctx pc = {a, nkb, 0};
     ak_team_run(ak_pack_worker, &pc, a->threads);
     ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0};
     ak_team_run(ak_fwd_worker, &fc, a->threads);
-    return *a->bad ? 1 : 0; /* 1: an input was not finite (the caller runs another path) */
+    return *a->bad ? AK_NONFINITE : AK_OK; /* the caller runs another path on AK_NONFINITE */
 }
 
 
@@ -1019,28 +976,6 @@ int attnkit_flash_forward(const ak_flash_args *a) {
  * order. The relative table's gradient is shared by the batch (and, for a table shared by
  * the heads, by the kv heads), so each unit has a sum of its own for it, which the caller
  * adds up in order. The worker's index chooses only its scratch workspace. */
-
-typedef struct {
-    const void *dout; /* (N, Hq, Lq, dv) contiguous, of dout_dtype */
-    const void *out;  /* (N, Hq, Lq, dv) contiguous, of out_dtype: the forward's output */
-    int32_t dout_dtype, out_dtype;
-    const float *lse;  /* (N, Hq, Lq) natural log; -inf rows see nothing */
-    const float *dlse; /* (N, Hq, Lq) the lse's gradient, or NULL */
-    float *delta; /* (N, Hq, Lq), written: rowsum(dO * O) - dlse */
-    float *dq;  /* threads x (N, Hq, Lq, d), zeroed here; on return dQ is the first */
-    void *dk;   /* (N, Hkv, Lk, d), of grad_dtype */
-    void *dv;   /* (N, Hkv, Lk, dv), of grad_dtype */
-    /* the relative table's gradient, expanded as the table (rel), one sum per unit: (threads,
-     * N, Hkv) x drel_wstride floats, each the unit's G heads' rows of the table (its one row
-     * for a table shared by the heads), zeroed by the caller; NULL when none is needed */
-    float *drel;
-    int64_t drel_wstride;
-    /* the gradients' dtype: 0 float32, 1 bfloat16 or 2 float16 (dK and dV rounded to nearest
-     * even once from the float32 sums, and dQ into dq_out (N, Hq, Lq, d): no conversion pass
-     * of the caller's after the call) */
-    int32_t grad_dtype;
-    void *dq_out; /* grad_dtype 1 or 2; unused for float32 (dQ stays in dq's first buffer) */
-} ak_flash_grads;
 
 typedef struct {
     const ak_flash_args *a;
@@ -1517,25 +1452,29 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
 }
 
 /* The gradients: dK and dV in dk and dv, dQ in the first of dq's `a->threads` buffers (in
- * dq_out with a grad_dtype other than float32). Returns 0, 1 when an input was not
- * finite (the caller runs another path), or < 0 for arguments it does not run. */
+ * dq_out with a grad_dtype other than float32). Returns AK_OK, AK_NONFINITE when an input
+ * was not finite (the caller runs another path), or the code of an argument it does not
+ * run. */
 int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     if (a->d <= 0 || a->dv <= 0 || a->d > AK_FD || a->dv > AK_FD || a->d % 16 || a->dv % 16)
-        return -1;
-    if (a->Hkv <= 0 || a->Hq % a->Hkv || a->dtype < 0 || a->dtype > 2) return -2;
-    if (a->threads < 1 || a->threads > AK_POOL_MAX) return -4;
-    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return 0;
-    if (g->drel != NULL && a->rel == NULL) return -6;
-    if (a->table != NULL) return -8; /* (the backward reads contiguous K/V only) */
-    if (a->bad == NULL || g->dout_dtype < 0 || g->dout_dtype > 2 || g->out_dtype < 0 ||
-        g->out_dtype > 2 || g->grad_dtype < 0 || g->grad_dtype > 2 || g->dq == NULL ||
-        g->dk == NULL || g->dv == NULL || (g->grad_dtype != 0 && g->dq_out == NULL))
-        return -7;
+        return AK_BAD_HEAD_DIM;
+    if (a->Hkv <= 0 || a->Hq % a->Hkv) return AK_BAD_HEADS;
+    if (a->dtype < AK_F32 || a->dtype > AK_F16) return AK_BAD_DTYPE;
+    if (a->threads < 1 || a->threads > AK_POOL_MAX) return AK_BAD_THREADS;
+    if (a->Lq <= 0 || a->Lk <= 0 || a->N <= 0) return AK_OK;
+    if (g->drel != NULL && a->rel == NULL) return AK_NO_TABLE;
+    if (a->table != NULL) return AK_PAGED_BACKWARD;
+    if (g->dout_dtype < AK_F32 || g->dout_dtype > AK_F16 || g->out_dtype < AK_F32 ||
+        g->out_dtype > AK_F16 || g->grad_dtype < AK_F32 || g->grad_dtype > AK_F16)
+        return AK_BAD_DTYPE;
+    if (a->bad == NULL || g->dq == NULL || g->dk == NULL || g->dv == NULL ||
+        (g->grad_dtype != AK_F32 && g->dq_out == NULL))
+        return AK_NO_BUFFER;
 #ifndef AK_FLASH_BF16
-    if (a->bf16dot) return -5;
+    if (a->bf16dot) return AK_NO_BF16_DOT;
 #endif
-    if (a->bf16dot && (a->dtype != 1 || a->d % 32 || a->dv % 32 || g->dout_dtype != 1))
-        return -5;
+    if (a->bf16dot && (a->dtype != AK_BF16 || a->d % 32 || a->dv % 32 || g->dout_dtype != AK_BF16))
+        return AK_NO_BF16_DOT;
     ak_rows_ctx rc0 = {a, g, 0, 0};
     ak_team_run(ak_rows_worker, &rc0, a->threads);
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
@@ -1546,30 +1485,28 @@ int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     while (sb > 1 && a->N * a->Hkv * ((nkb + sb - 1) / sb) < 8 * (int64_t)a->threads) sb /= 2;
     ak_bwd_ctx bc = {a, g, nkb, (a->Lq + AK_FM - 1) / AK_FM, sb, 0};
     ak_team_run(ak_bwd_worker, &bc, a->threads);
-    if (*a->bad) return 1;
+    if (*a->bad) return AK_NONFINITE;
     if (a->threads > 1 || g->grad_dtype != 0) {
         ak_rows_ctx rc1 = {a, g, 1, 0};
         ak_team_run(ak_rows_worker, &rc1, a->threads);
     }
-    return 0;
+    return AK_OK;
 }
 
 #else /* neither AVX-512 nor AVX2 + FMA: the executor refuses before calling */
 
 int attnkit_flash_forward(const ak_flash_args *a) {
     (void)a;
-    return -9;
+    return AK_NOT_BUILT;
 }
 
-typedef struct ak_flash_grads ak_flash_grads;
 int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
     (void)a, (void)g;
-    return -9;
+    return AK_NOT_BUILT;
 }
 
 #endif
 
-int attnkit_flash_block(void) { return AK_FN; }
 int64_t attnkit_flash_workspace(int backward) { return backward ? AK_WS_BWD : AK_WS_FWD; }
 int attnkit_flash_has_bf16dot(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -1588,4 +1525,3 @@ int attnkit_flash_available(void) {
     return 0;
 #endif
 }
-int attnkit_flash_args_size(void) { return (int)sizeof(ak_flash_args); }

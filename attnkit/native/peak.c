@@ -19,6 +19,7 @@
  * 8 in flight) and leave registers for the operands even with AVX2's 16. The inputs come from
  * the caller, so the compiler cannot fold the rounds; the sums go to a sink.
  */
+#include "attnkit.h"
 #include <stdint.h>
 #include <string.h>
 #include <time.h>

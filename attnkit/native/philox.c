@@ -9,6 +9,7 @@
  * uint32 buffers first so that the ten rounds run 8 or 16 counters at a time. The Python side
  * validates the indices (0 <= word < 2^32) and shapes.
  */
+#include "attnkit.h"
 #include <stdint.h>
 
 #define PX_BLOCK 256

@@ -25,6 +25,7 @@
  * mutex and condition variables (another thread of the parent may have held them at the
  * fork); the child starts its own threads when it needs them.
  */
+#include "attnkit.h"
 #include "pool.h"
 
 #include <pthread.h>
@@ -319,7 +320,7 @@ void attnkit_pool_stats(int64_t *out) {
  * each index spinning for `spin` iterations before it counts itself. Returns how many calls
  * broke the contract: an index that did not run exactly once, or had not finished, by the
  * time ak_pool_run returned, or that ran again after it (each call's counts are read once
- * more after the next call). -1 when the counts cannot be allocated. */
+ * more after the next call). -AK_NO_MEMORY when the counts cannot be allocated. */
 typedef struct {
     int hits[AK_POOL_MAX];
     int64_t spin;
@@ -337,7 +338,7 @@ int64_t attnkit_pool_check(int64_t calls, int n, int64_t spin) {
     if (n < 1) n = 1;
     if (n > AK_POOL_MAX) n = AK_POOL_MAX;
     ak_check_job *jobs = (ak_check_job *)calloc(2, sizeof(ak_check_job));
-    if (!jobs) return -1;
+    if (!jobs) return -(int64_t)AK_NO_MEMORY;
     int64_t bad = 0;
     for (int64_t c = 0; c < calls; ++c) {
         ak_check_job *job = &jobs[c % 2], *prev = &jobs[(c + 1) % 2];

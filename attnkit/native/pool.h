@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#define AK_POOL_MAX 64 /* most workers of one call, the caller included */
+#include "attnkit.h" /* AK_POOL_MAX: most workers of one call, the caller included */
 
 typedef void (*ak_pool_fn)(void *ctx, int worker, int nworkers);
 

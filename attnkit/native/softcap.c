@@ -6,6 +6,7 @@
  * float32, contiguous, n elements; tanh to about 1e-7 absolute (vecmath.h). Large tiles are
  * cut into blocks that the pool's threads (pool.h) take in turn.
  */
+#include "attnkit.h"
 #include <stdint.h>
 #include <string.h>
 

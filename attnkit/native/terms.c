@@ -16,9 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "attnkit.h"
 #include "vecmath.h"
 
-enum { AT_F32 = 0, AT_BF16 = 1, AT_F16 = 2 };
+enum { AT_F32 = AK_F32, AT_BF16 = AK_BF16, AT_F16 = AK_F16 };
 
 /* x rounded to bfloat16 (vecmath.h), as its bits and as a float32 */
 static inline uint16_t bf16_bits(float x) { return (uint16_t)ak_bf16_bits(ak_splat(x))[0]; }
@@ -128,30 +129,33 @@ static void row_distances(float *d, int dtype, int64_t C, float ipf, const float
     }
 }
 
-/* Returns 0, or 2 (nothing written) for a dtype this build cannot write, sizes that do not
- * fit together or positions at or beyond 2^24 (where float32 distances would round).
+/* Returns AK_OK, or AK_BAD_ARGS (nothing written) for a dtype this build cannot write, sizes
+ * that do not fit together or positions at or beyond 2^24 (where float32 distances would
+ * round).
  * lo, hi (ip_n, R) or NULL: row r's visible columns [lo, hi) (besides vis); scratch: 2 * C
  * floats (the key positions, a row's distances). */
 int attnkit_alibi_tile(void *out, int dtype, int64_t N, int64_t H, int64_t R, int64_t C,
                        const int64_t *ip, int64_t ip_n, const int64_t *j, const float *slope,
                        int64_t s_n, int64_t s_r, const uint8_t *vis, int64_t v_n,
                        const int64_t *lo, const int64_t *hi, float *scratch) {
-    if (!out || !ip || !j || !slope || !scratch || N < 1 || H < 1 || R < 0 || C < 0) return 2;
-    if ((ip_n != 1 && ip_n != N) || (s_n != 1 && s_n != N) || (s_r != 1 && s_r != R)) return 2;
-    if ((vis && v_n != 1 && v_n != N) || (!lo != !hi)) return 2;
+    if (!out || !ip || !j || !slope || !scratch || N < 1 || H < 1 || R < 0 || C < 0)
+        return AK_BAD_ARGS;
+    if ((ip_n != 1 && ip_n != N) || (s_n != 1 && s_n != N) || (s_r != 1 && s_r != R))
+        return AK_BAD_ARGS;
+    if ((vis && v_n != 1 && v_n != N) || (!lo != !hi)) return AK_BAD_ARGS;
     if (dtype != AT_F32 && dtype != AT_BF16) {
 #ifdef __FLT16_MAX__
-        if (dtype != AT_F16) return 2;
+        if (dtype != AT_F16) return AK_BAD_ARGS;
 #else
-        return 2;
+        return AK_BAD_ARGS;
 #endif
     }
     const int64_t big = (int64_t)1 << 24;
     for (int64_t i = 0; i < ip_n * R; ++i)
-        if (ip[i] <= -big || ip[i] >= big) return 2;
+        if (ip[i] <= -big || ip[i] >= big) return AK_BAD_ARGS;
     float *jf = scratch, *d = scratch + C;
     for (int64_t c = 0; c < C; ++c) {
-        if (j[c] <= -big || j[c] >= big) return 2;
+        if (j[c] <= -big || j[c] >= big) return AK_BAD_ARGS;
         jf[c] = (float)j[c];
     }
     const int esz = dtype == AT_F32 ? 4 : 2;
@@ -177,5 +181,5 @@ int attnkit_alibi_tile(void *out, int dtype, int64_t N, int64_t H, int64_t R, in
                 alibi_row_scalar(y, dtype, c, C, d, s, v, a, e);
             }
         }
-    return 0;
+    return AK_OK;
 }
