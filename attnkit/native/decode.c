@@ -33,7 +33,7 @@
 #include "pool.h"
 #include "vecmath.h"
 
-#define AK_ABI 15
+#define AK_ABI 16
 #define AK_CHUNK 64 /* tokens per chunk (scores buffer: rows x AK_CHUNK floats) */
 #ifndef AK_DECODE_WORK_PER_THREAD
 #define AK_DECODE_WORK_PER_THREAD 131072 /* multiply-adds; see attnkit_decode */
@@ -97,6 +97,7 @@ typedef struct {
     int64_t qs_b, qs_h, qs_i;  /* q's element strides (B, Hq, Lq); its last dim unit stride */
     int bf16_dot;              /* bfloat16 q and keys: vdpbf16ps dot products (D % 32 == 0) */
     int h16;                   /* e4m3 pages in float16 arithmetic where they qualify (AK_H16) */
+    int shared;                /* the value rows lie inside the key rows (MLA: see mla_*) */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
     const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
@@ -1161,6 +1162,171 @@ int attnkit_native_has_fp8dot(void) {
 #endif
 }
 
+/* ---- MLA: values that are a view into the keys (job->shared) ------------------------------
+ * DeepSeek-style multi-head latent attention caches one latent vector per token (576 dims) for
+ * one kv head and reads its first 512 dims as the value: v = k[..., :512], for 16-128 query
+ * heads. The caller says so (math bit 2, which check_args holds to: the same page, token and
+ * head strides, each value row inside its key row), and the kernel then reads each cached row
+ * once: the value rows are the key rows that the chunk's scores have just brought into cache
+ * (nothing is asked ahead for them), and the many query rows of the latent head go through
+ * register tiles that load each element once for 4 rows and 4 keys (scores) or 4 rows and 32
+ * value dims (P V), where score4_dp / score4 reload the query blocks for every key and
+ * pv_rows reloads each value row for every 16 dims of 4 rows. The tiles keep the general
+ * loops' order of operations for every element (the same lane sums in the same trees, the even
+ * and odd tokens' P V sums apart), so the output is bit-identical to the call with the values
+ * as a separate copy. AVX-512 builds only (AVX2 has too few registers for the tiles: there the
+ * general loops run, without the prefetch for the value rows). */
+#if AK_N == 16
+#ifdef AK_DPBF16
+/* score4_dp for 4 keys k + j * ks (elements) at once: out[g * AK_CHUNK + j] */
+AK_INLINE void mla_score44_dp(const uint16_t *k, int64_t ks, const uint16_t *q, int64_t D,
+                              float scale, float *out) {
+    __m512 a[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        __m512bh kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = ak_bh(k + j * ks + d);
+        for (int g = 0; g < 4; ++g) {
+            const __m512bh qv = ak_bh(q + g * D + d);
+            for (int j = 0; j < 4; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], qv, kv[j]);
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int g = 0; g < 4; ++g) { /* key j's sum in 128-bit lane j (sums4_dp) */
+        const __m512 x = _mm512_mul_ps(sums4_dp(a[g][0], a[g][1], a[g][2], a[g][3]),
+                                       _mm512_set1_ps(scale));
+        _mm_storeu_ps(out + g * AK_CHUNK,
+                      _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x)));
+    }
+}
+#endif
+
+/* score4 for 4 keys k + j * ks (bytes) at once: out[g * AK_CHUNK + j] */
+AK_INLINE void mla_score44(const char *k, int64_t ks, int dtype, const float *q, int64_t D,
+                           float *out) {
+    const int esz = AK_ESZ(dtype);
+    ak_vn a[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = splatn(0.0f);
+    for (int64_t d = 0; d < D; d += AK_W) {
+        ak_vn kb[4];
+        for (int j = 0; j < 4; ++j) load_w(k + j * ks + d * esz, dtype, kb + j);
+        for (int g = 0; g < 4; ++g) {
+            ak_vn qv;
+            memcpy(&qv, q + g * D + d, sizeof qv);
+            for (int j = 0; j < 4; ++j) a[g][j] += qv * kb[j];
+        }
+    }
+    for (int g = 0; g < 4; ++g) hsum4n(a[g], out + g * AK_CHUNK, 1);
+}
+
+/* The scores of every kv head's rows against `len` key rows k + t * ks (elements; kv head
+ * stride kh), into sc columns from 0: groups of 4 rows by the 4 x 4 tiles, the keys past the
+ * last group of 4 and the rows past the groups of 4 by the general loops' functions (which the
+ * general path uses for these head dims: score_head, score4 / score1). */
+static void mla_scores(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
+                       const ak_job *job, const float *qb, const uint16_t *qhb,
+                       int64_t rows_per_head, float *sc, const ak_ahead *next) {
+    const int esz = AK_ESZ(dtype);
+    const int64_t D = job->D, groups = rows_per_head / 4, quads = len / 4;
+#ifdef AK_DPBF16
+    const int dp = qhb != NULL && dtype == AK_BF16;
+#else
+    const int dp = 0;
+    (void)qhb;
+#endif
+    for (int64_t h = 0; h < job->Hkv; ++h) {
+        const char *kh0 = k + h * kh * esz;
+        const int64_t r0 = h * rows_per_head;
+        const ak_ahead head = {next->row, h * kh * esz, next->bytes}; /* the next chunk's */
+        for (int64_t g = 0; g < groups; ++g) { /* (a group's q rows stay in L1) */
+            const int64_t r = r0 + 4 * g;
+            for (int64_t t = 0; t < 4 * quads; t += 4) {
+                float *out = sc + r * AK_CHUNK + t;
+                if (g == 0)
+                    for (int i = 0; i < 4; ++i) ahead(&head, t + i);
+#ifdef AK_DPBF16
+                if (dp) {
+                    mla_score44_dp((const uint16_t *)(const void *)(kh0 + t * ks * esz), ks,
+                                   qhb + r * D, D, job->scale, out);
+                    continue;
+                }
+#endif
+                mla_score44(kh0 + t * ks * esz, ks * esz, dtype, qb + r * D, D, out);
+            }
+        }
+        for (int64_t t = 0; t < len; ++t) { /* the keys and rows the tiles leave */
+            const int64_t first = t < 4 * quads ? 4 * groups : 0;
+            if (!first) ahead(&head, t);
+            if (first == rows_per_head) continue;
+            const int64_t r = r0 + first;
+            score_head(kh0 + t * ks * esz, dtype, qb + r * D, dp ? qhb + r * D : NULL,
+                       job->scale, D, rows_per_head - first, sc + r * AK_CHUNK + t, AK_CHUNK);
+        }
+    }
+}
+
+/* pv_rows (ROWS = 4) for NV blocks of 16 dims at a time: each value row's 16 * NV dims loaded
+ * once for the 4 rows, the even and odd tokens' sums apart as there */
+AK_INLINE void mla_pv4_t(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                         int64_t ps, int64_t Dv, float *acc) {
+    const int esz = AK_ESZ(dtype);
+    enum { NV = 2 }; /* (3 or 4 blocks, or one sum for all tokens, were no faster) */
+    for (int64_t d = 0; d < Dv; d += NV * AK_W) { /* (Dv % 32 == 0: mla_pv) */
+        ak_vn a[4][NV], b[4][NV];
+        for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < NV; ++j) {
+                memcpy(&a[g][j], acc + g * Dv + d + j * AK_W, sizeof(ak_vn));
+                b[g][j] = splatn(0.0f);
+            }
+        const char *vd = v + d * esz;
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+            ak_vn x0[NV], x1[NV];
+            for (int j = 0; j < NV; ++j) {
+                load_w(vd + t * vstride + j * AK_W * esz, dtype, x0 + j);
+                load_w(vd + (t + 1) * vstride + j * AK_W * esz, dtype, x1 + j);
+            }
+            for (int g = 0; g < 4; ++g)
+                for (int j = 0; j < NV; ++j) {
+                    a[g][j] += p[g * ps + t] * x0[j];
+                    b[g][j] += p[g * ps + t + 1] * x1[j];
+                }
+        }
+        if (t < n) {
+            ak_vn x0[NV];
+            for (int j = 0; j < NV; ++j) load_w(vd + t * vstride + j * AK_W * esz, dtype, x0 + j);
+            for (int g = 0; g < 4; ++g)
+                for (int j = 0; j < NV; ++j) a[g][j] += p[g * ps + t] * x0[j];
+        }
+        for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < NV; ++j) {
+                a[g][j] += b[g][j];
+                memcpy(acc + g * Dv + d + j * AK_W, &a[g][j], sizeof(ak_vn));
+            }
+    }
+}
+
+/* pv_head for the shared rows (the value rows in cache already: nothing asked ahead), float32,
+ * bfloat16 or float16 rows with Dv % 32 == 0 */
+static void mla_pv(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
+                   int64_t ps, int64_t Dv, int64_t rows, float *acc) {
+    int64_t r = 0;
+#define AK_MLA_PV(DT)                                                                      \
+    for (; r + 4 <= rows; r += 4) mla_pv4_t(v, vstride, n, DT, p + r * ps, ps, Dv, acc + r * Dv);
+    if (dtype == AK_BF16) {
+        AK_MLA_PV(AK_BF16)
+    } else if (dtype == AK_F16) {
+        AK_MLA_PV(AK_F16)
+    } else {
+        AK_MLA_PV(AK_F32)
+    }
+#undef AK_MLA_PV
+    if (r < rows) pv_head(v, vstride, n, dtype, p + r * ps, ps, Dv, rows - r, acc + r * Dv, NULL);
+}
+#endif
+
 /* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
  * keys in memory order (a token's kv heads lie together in a page), each against every kv
  * head's groups (score4), the next chunk's rows asked for as they go */
@@ -1420,6 +1586,12 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int h16 = 0;
     const ak_q16 *q16 = NULL;
 #endif
+#if AK_N == 16
+    /* shared rows (MLA): the tiles where the head dim is past what the general loops keep in
+     * registers (D > 128); P V for float32, bfloat16 or float16 rows, Dv % 32 == 0 */
+    const int mla_sc = job->shared && !h16 && D > 128;
+    const int mla_v = mla_sc && dtype <= AK_F16 && Dv % 32 == 0;
+#endif
 
     /* causal: j <= i', i.e. a right bound of at most 0 */
     const int has_right = job->has_right || job->causal;
@@ -1458,8 +1630,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
             const ak_ahead next = {nk + seg[g].t, 0, D * esz};
-            score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
-                         &next);
+#if AK_N == 16
+            if (mla_sc)
+                mla_scores(kbase, job->ks_tok, job->ks_head, seg[g].len, dtype, job, qb, qhb,
+                           rows_per_head, sc + seg[g].t, &next);
+            else
+#endif
+                score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head,
+                             sc + seg[g].t, &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
                 scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
                            seg[g].t, seg[g].t + seg[g].len);
@@ -1556,11 +1734,20 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 }
 #endif
                 if (whole) {
+#if AK_N == 16
+                    if (mla_v) {
+                        mla_pv(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
+                               AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv);
+                        continue;
+                    }
+#endif
+                    /* (shared rows: the scores have brought the value rows in already) */
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, &next);
+                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv,
+                            job->shared ? NULL : &next);
                     continue;
                 }
-                ahead_all(&next, len);
+                if (!job->shared) ahead_all(&next, len);
                 for (int64_t r = r0; r < r1; ++r) {
                     /* the row's visible columns [t0, t1) of the chunk, within this segment */
                     int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
@@ -1692,6 +1879,15 @@ static int check_args(const ak_job *job, int64_t num_pages) {
     if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
         || job->vs_tok < 0 || job->vs_head < 0)
         return 1;
+    if (job->shared) { /* v = k + off elements, the same strides, off + Dv <= D */
+        const uintptr_t kp = (uintptr_t)job->kp, vp = (uintptr_t)job->vp;
+        const uintptr_t esz = (uintptr_t)AK_ESZ(job->dtype);
+        if (vp < kp || (vp - kp) % esz || (vp - kp) / esz > (uintptr_t)job->D) return 1;
+        if ((int64_t)((vp - kp) / esz) > job->D - job->Dv) return 1;
+        if (job->ks_page != job->vs_page || job->ks_tok != job->vs_tok
+            || job->ks_head != job->vs_head)
+            return 1;
+    }
     if (B > 0 && !job->bt) return 1;
     if (job->bt_cols > INT64_MAX / P) return 1;
     const int64_t row_keys = job->bt_cols * P;
@@ -1708,7 +1904,9 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 }
 
 /* Returns 0 on success, 1 when no worker could allocate its scratch buffer, 2 (AK_BAD_ARGS,
- * nothing done) when check_args refuses the arguments. */
+ * nothing done) when check_args refuses the arguments. `math`: bit 0 the bfloat16 dot
+ * products (bf16_dot), bit 1 e4m3 in float16 arithmetic (h16), bit 2 the value rows lie inside
+ * the key rows (shared: MLA's latent cache, read once). */
 int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
@@ -1723,6 +1921,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
                    int nthreads) {
     ak_job job = {
         .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = math & 1, .h16 = (math >> 1) & 1,
+        .shared = (math >> 2) & 1,
         .scale = scale,
         .qs_b = dims[8], .qs_h = dims[9], .qs_i = dims[10],
         .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
@@ -1737,7 +1936,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = 0, .next = 0,
     };
-    if (math & ~3 || check_args(&job, dims[7])) return AK_BAD_ARGS;
+    if (math & ~7 || check_args(&job, dims[7])) return AK_BAD_ARGS;
 #ifdef AK_FP8DOT
     if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
 #endif
