@@ -1168,14 +1168,16 @@ int attnkit_native_has_fp8dot(void) {
  * heads. The caller says so (math bit 2, which check_args holds to: the same page, token and
  * head strides, each value row inside its key row), and the kernel then reads each cached row
  * once: the value rows are the key rows that the chunk's scores have just brought into cache
- * (nothing is asked ahead for them), and the many query rows of the latent head go through
- * register tiles that load each element once for 4 rows and 4 keys (scores) or 4 rows and 32
- * value dims (P V), where score4_dp / score4 reload the query blocks for every key and
- * pv_rows reloads each value row for every 16 dims of 4 rows. The tiles keep the general
- * loops' order of operations for every element (the same lane sums in the same trees, the even
- * and odd tokens' P V sums apart), so the output is bit-identical to the call with the values
- * as a separate copy. AVX-512 builds only (AVX2 has too few registers for the tiles: there the
- * general loops run, without the prefetch for the value rows). */
+ * (nothing is asked ahead for them: P V runs the general loops on them), and the scores of the
+ * many query rows of the latent head go through register tiles that load each key and query
+ * block once for 4 rows and 4 keys, where score4_dp / score4 reload the query blocks for every
+ * key (measured, B=1-2, 2k-8k keys, one thread: the scores in 0.55-0.75x the time). The tiles
+ * keep the general loops' order of operations for every element (the same lane sums in the
+ * same trees), so the output is bit-identical to the call with the values as a separate copy.
+ * P V tiles of 4 rows x 32 value dims were slower than pv_rows (1.2x: registers), and blocks
+ * of 16 keys held in L1 for all row groups no faster than a whole segment. AVX-512 builds
+ * only (AVX2 has too few registers for the tiles: there the general loops run, without the
+ * prefetch for the value rows). */
 #if AK_N == 16
 #ifdef AK_DPBF16
 /* score4_dp for 4 keys k + j * ks (elements) at once: out[g * AK_CHUNK + j] */
@@ -1267,64 +1269,6 @@ static void mla_scores(const char *k, int64_t ks, int64_t kh, int64_t len, int d
     }
 }
 
-/* pv_rows (ROWS = 4) for NV blocks of 16 dims at a time: each value row's 16 * NV dims loaded
- * once for the 4 rows, the even and odd tokens' sums apart as there */
-AK_INLINE void mla_pv4_t(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                         int64_t ps, int64_t Dv, float *acc) {
-    const int esz = AK_ESZ(dtype);
-    enum { NV = 2 }; /* (3 or 4 blocks, or one sum for all tokens, were no faster) */
-    for (int64_t d = 0; d < Dv; d += NV * AK_W) { /* (Dv % 32 == 0: mla_pv) */
-        ak_vn a[4][NV], b[4][NV];
-        for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < NV; ++j) {
-                memcpy(&a[g][j], acc + g * Dv + d + j * AK_W, sizeof(ak_vn));
-                b[g][j] = splatn(0.0f);
-            }
-        const char *vd = v + d * esz;
-        int64_t t = 0;
-        for (; t + 1 < n; t += 2) {
-            ak_vn x0[NV], x1[NV];
-            for (int j = 0; j < NV; ++j) {
-                load_w(vd + t * vstride + j * AK_W * esz, dtype, x0 + j);
-                load_w(vd + (t + 1) * vstride + j * AK_W * esz, dtype, x1 + j);
-            }
-            for (int g = 0; g < 4; ++g)
-                for (int j = 0; j < NV; ++j) {
-                    a[g][j] += p[g * ps + t] * x0[j];
-                    b[g][j] += p[g * ps + t + 1] * x1[j];
-                }
-        }
-        if (t < n) {
-            ak_vn x0[NV];
-            for (int j = 0; j < NV; ++j) load_w(vd + t * vstride + j * AK_W * esz, dtype, x0 + j);
-            for (int g = 0; g < 4; ++g)
-                for (int j = 0; j < NV; ++j) a[g][j] += p[g * ps + t] * x0[j];
-        }
-        for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < NV; ++j) {
-                a[g][j] += b[g][j];
-                memcpy(acc + g * Dv + d + j * AK_W, &a[g][j], sizeof(ak_vn));
-            }
-    }
-}
-
-/* pv_head for the shared rows (the value rows in cache already: nothing asked ahead), float32,
- * bfloat16 or float16 rows with Dv % 32 == 0 */
-static void mla_pv(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                   int64_t ps, int64_t Dv, int64_t rows, float *acc) {
-    int64_t r = 0;
-#define AK_MLA_PV(DT)                                                                      \
-    for (; r + 4 <= rows; r += 4) mla_pv4_t(v, vstride, n, DT, p + r * ps, ps, Dv, acc + r * Dv);
-    if (dtype == AK_BF16) {
-        AK_MLA_PV(AK_BF16)
-    } else if (dtype == AK_F16) {
-        AK_MLA_PV(AK_F16)
-    } else {
-        AK_MLA_PV(AK_F32)
-    }
-#undef AK_MLA_PV
-    if (r < rows) pv_head(v, vstride, n, dtype, p + r * ps, ps, Dv, rows - r, acc + r * Dv, NULL);
-}
 #endif
 
 /* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
@@ -1587,10 +1531,9 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const ak_q16 *q16 = NULL;
 #endif
 #if AK_N == 16
-    /* shared rows (MLA): the tiles where the head dim is past what the general loops keep in
-     * registers (D > 128); P V for float32, bfloat16 or float16 rows, Dv % 32 == 0 */
+    /* shared rows (MLA): the score tiles where the head dim is past what the general loops
+     * keep in registers (D > 128) */
     const int mla_sc = job->shared && !h16 && D > 128;
-    const int mla_v = mla_sc && dtype <= AK_F16 && Dv % 32 == 0;
 #endif
 
     /* causal: j <= i', i.e. a right bound of at most 0 */
@@ -1734,13 +1677,6 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 }
 #endif
                 if (whole) {
-#if AK_N == 16
-                    if (mla_v) {
-                        mla_pv(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                               AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv);
-                        continue;
-                    }
-#endif
                     /* (shared rows: the scores have brought the value rows in already) */
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
                             AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv,
