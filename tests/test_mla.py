@@ -150,9 +150,8 @@ def test_varlen_over_latent_pages_mixes_decoding_and_speculative_rows(dtype):
 @needs_kernel
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no fp8 dtypes")
 def test_fp8_latent_pages_read_once_with_their_descales():
-    """fp8 latent pages with one descale per (page, head) for keys and values alike: the scores'
-    tiles read them once too (P V takes the fp8 loops as before), against the oracle over the
-    dequantized pages."""
+    """fp8 latent pages with one descale per (page, head) for keys and values alike, the values
+    a view into the key pages: read once too, against the oracle over the dequantized pages."""
     g = torch.Generator().manual_seed(4)
     lens = torch.tensor([190, 64])
     ckv = torch.randn(2, 1, 190, DQK, generator=g)

@@ -1167,17 +1167,18 @@ int attnkit_native_has_fp8dot(void) {
  * one kv head and reads its first 512 dims as the value: v = k[..., :512], for 16-128 query
  * heads. The caller says so (math bit 2, which check_args holds to: the same page, token and
  * head strides, each value row inside its key row), and the kernel then reads each cached row
- * once: the value rows are the key rows that the chunk's scores have just brought into cache
- * (nothing is asked ahead for them: P V runs the general loops on them), and the scores of the
- * many query rows of the latent head go through register tiles that load each key and query
- * block once for 4 rows and 4 keys, where score4_dp / score4 reload the query blocks for every
- * key (measured, B=1-2, 2k-8k keys, one thread: the scores in 0.55-0.75x the time). The tiles
- * keep the general loops' order of operations for every element (the same lane sums in the
- * same trees), so the output is bit-identical to the call with the values as a separate copy.
- * P V tiles of 4 rows x 32 value dims were slower than pv_rows (1.2x: registers), and blocks
- * of 16 keys held in L1 for all row groups no faster than a whole segment. AVX-512 builds
- * only (AVX2 has too few registers for the tiles: there the general loops run, without the
- * prefetch for the value rows). */
+ * once: the value rows are the key rows that the chunk's scores have just brought into cache,
+ * so nothing is asked ahead for them, and P V runs the general loops on them.
+ *
+ * The scores of such wide heads (D > 128, shared rows or not) go through register tiles that
+ * load each key and query block once for 4 rows and 4 keys, where score4_dp / score4 reload the
+ * four query blocks for every key (measured, B=1-2, 2k-8k keys, one thread: the scores in
+ * 0.55-0.75x the time; a latent head's 16-128 query rows are 4-32 groups). The tiles keep the
+ * general loops' order of operations for every element (the same lane sums in the same
+ * trees), so every output is bit-identical to what score4_dp / score4 gave. P V tiles of 4
+ * rows x 32 value dims were slower than pv_rows (1.2x: registers), and blocks of 16 keys held
+ * in L1 for all row groups no faster than a whole segment. AVX-512 builds only (AVX2 has too
+ * few registers for the tiles: there the general loops run). */
 #if AK_N == 16
 #ifdef AK_DPBF16
 /* score4_dp for 4 keys k + j * ks (elements) at once: out[g * AK_CHUNK + j] */
@@ -1531,9 +1532,9 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const ak_q16 *q16 = NULL;
 #endif
 #if AK_N == 16
-    /* shared rows (MLA): the score tiles where the head dim is past what the general loops
-     * keep in registers (D > 128) */
-    const int mla_sc = job->shared && !h16 && D > 128;
+    /* the score tiles (see mla_scores) where the head dim is past what the general loops keep
+     * in registers (D > 128), shared rows or not: the same sums, in less time */
+    const int mla_sc = !h16 && D > 128;
 #endif
 
     /* causal: j <= i', i.e. a right bound of at most 0 */
