@@ -227,3 +227,27 @@ def test_the_read_once_path_can_be_turned_off_for_timings(monkeypatch):
     off = native.dense_decode(q, ckv, ckv[..., :DV], DQK ** -0.5)
     assert _shared_calls() == before
     assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,lq,d,dv", [(10, 2, 1, 192, 128), (8, 2, 2, 256, 256),
+                                            (6, 1, 3, 144, 64)])
+def test_wide_heads_through_the_score_tiles_against_the_oracle(hq, hkv, lq, d, dv, dtype):
+    """The decode kernel's 4-row x 4-key score tiles run every head dim past 128, shared rows or
+    not: groups of 4 rows and the rows past them (5, 8 and 18 rows a kv head), the keys past
+    the last group of 4 (lengths not multiples of 4), two kv heads."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(3, hkv, 203, d, generator=g).to(dtype)
+    v = torch.randn(3, hkv, 203, dv, generator=g).to(dtype)
+    lens = torch.tensor([203, 130, 7])
+    with torch.no_grad():
+        out = attnkit.attention(q, k, v, seqlens_kv=lens, backend="decode", **KW)
+    ref = attention_reference(q.double(), k.double(), v.double(), seqlens_kv=lens, **KW)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+        return
+    plain = naive_attention(q, k, v, mask=_visible(lq, lens, 203))
+    ok, err, base = fa_tolerance_ok(out, ref, plain)
+    assert ok, (err, base)
