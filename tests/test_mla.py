@@ -251,3 +251,25 @@ def test_wide_heads_through_the_score_tiles_against_the_oracle(hq, hkv, lq, d, d
     plain = naive_attention(q, k, v, mask=_visible(lq, lens, 203))
     ok, err, base = fa_tolerance_ok(out, ref, plain)
     assert ok, (err, base)
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no fp8 dtypes")
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("d,dv,hkv,lq", [(128, 64, 2, 1), (64, 64, 1, 2)])
+def test_fp8_value_views_of_narrow_heads_give_the_copys_output(fmt, d, dv, hkv, lq):
+    """Shared rows on the fp8 loops of narrow heads (the float16 arithmetic of e4m3 and the
+    table conversions, which ask for no value rows of their own then): the copy's output."""
+    g = torch.Generator().manual_seed(7)
+    pages = torch.randn(12, 16, hkv, d, generator=g).to(getattr(torch, fmt))
+    descale = torch.rand(12, hkv, generator=g) + 0.5
+    q = torch.randn(2, 8, lq, d, generator=g).bfloat16()
+    table = torch.tensor([[3, 1, 4, 0, 7, 8], [9, 2, 6, 5, 10, 11]])
+    lens = torch.tensor([90, 37])
+    kw = dict(k_descale=descale, v_descale=descale, **KW)
+    before = _shared_calls()
+    with torch.no_grad():
+        out = attnkit.paged_attention_blocks(q, pages, pages[..., :dv], table, lens, **kw)
+        copy = attnkit.paged_attention_blocks(q, pages, pages[..., :dv].clone(), table, lens,
+                                              **kw)  # (v = k whole: its own copy)
+    assert _shared_calls() == before + 1 and torch.equal(out, copy)

@@ -1639,7 +1639,10 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
                 const char *vh = vbase + h * job->vs_head * esz;
-                const ak_ahead next = {nv + st, h * job->vs_head * esz, Dv * esz};
+                /* the next chunk's value rows asked for ahead, unless they are key rows
+                 * (shared: the scores ask for those) */
+                const ak_ahead next_v = {nv + st, h * job->vs_head * esz, Dv * esz};
+                const ak_ahead *next = job->shared ? NULL : &next_v;
                 int whole = 1;
                 for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
 #ifdef AK_H16
@@ -1652,7 +1655,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                         /* the first group looks at the value rows: a NaN byte there returns
                          * before any row's sums have moved */
                         int nan = pv_h16(v8, job->vs_tok, len, w->p16, AK_CHUNK, Dv, f,
-                                         acc + r0 * Dv, &next, 1);
+                                         acc + r0 * Dv, next, 1);
                         for (int64_t r = r0 + 4; r < r1 && !nan; r += 4)
                             pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
                                    AK_CHUNK, Dv, f, acc + r * Dv, NULL, 0);
@@ -1670,21 +1673,19 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     int64_t r = r0;
                     for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
                         pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv,
-                               r == r0 ? &next : NULL);
+                               r == r0 ? next : NULL);
                     for (; r < r1; ++r, pr += AK_CHUNK)
                         pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv,
-                               r == r0 ? &next : NULL);
+                               r == r0 ? next : NULL);
                     continue;
                 }
 #endif
                 if (whole) {
-                    /* (shared rows: the scores have brought the value rows in already) */
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv,
-                            job->shared ? NULL : &next);
+                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
                     continue;
                 }
-                if (!job->shared) ahead_all(&next, len);
+                ahead_all(next, len);
                 for (int64_t r = r0; r < r1; ++r) {
                     /* the row's visible columns [t0, t1) of the chunk, within this segment */
                     int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
