@@ -162,7 +162,9 @@ def executor_rows(full: bool = True) -> Tuple[List[str], List[List[str]], List[s
         if c.max_query_rows is not None:
             parts.append(f"Lq ≤ {c.max_query_rows}")
         if c.max_rows_per_kv_head is not None:
-            parts.append(f"≤ {c.max_rows_per_kv_head} per kv head")
+            parts.append(f"≤ {c.max_rows_per_kv_head} per kv head"
+                         + (f" (head dims ≤ {c.max_rows_head_dim})"
+                            if getattr(c, "max_rows_head_dim", None) is not None else ""))
         return ", ".join(parts) or "any"
 
     extras = sorted(set().union(*(getattr(c, "extras", frozenset()) for c in caps))) if full else []

@@ -52,6 +52,8 @@ class Capabilities:
     empty_head_dims: bool = False
     max_query_rows: Optional[int] = None  # Lq
     max_rows_per_kv_head: Optional[int] = None  # Lq * Hq / Hkv
+    #: the largest head dim max_rows_per_kv_head holds for (None: every head dim)
+    max_rows_head_dim: Optional[int] = None
     #: the devices ``backend="auto"`` picks it for (None: all of ``devices``); the others
     #: only when it is forced
     auto_devices: Optional[FrozenSet[str]] = None
@@ -106,7 +108,8 @@ def not_supported_reasons(executor: Any, spec: AttentionSpec) -> List[str]:
         reasons.append(f"{caps.name} is for decoding (Lq <= {caps.max_query_rows}); Lq="
                        f"{spec.lq} is matmul work")
     if (caps.max_rows_per_kv_head is not None
-            and spec.lq * spec.groups > caps.max_rows_per_kv_head):
+            and spec.lq * spec.groups > caps.max_rows_per_kv_head
+            and (caps.max_rows_head_dim is None or max(dims) <= caps.max_rows_head_dim)):
         reasons.append(f"{caps.name} runs up to {caps.max_rows_per_kv_head} query rows per "
                        f"key/value head; got {spec.lq * spec.groups}")
     extra: Optional[Callable[[AttentionSpec], List[str]]] = getattr(executor, "extra_reasons",

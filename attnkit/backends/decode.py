@@ -13,7 +13,11 @@ step takes:
   the packed K/V, in one call;
 - a paged cache (``spec.paged``: pages, block table and lengths), read through the block
   table with no gather; fp8 pages (with their per-(page, kv head) descales) are converted in
-  the kernel's registers, with no dequantized copy.
+  the kernel's registers, with no dequantized copy;
+- MLA's shared latent cache (one latent kv head of 576 dims whose first 512 are the values:
+  ``v = k[..., :512]``, contiguous or paged): values whose rows lie inside the key rows are read
+  once, with the keys (:func:`attnkit.native.decode_counts` counts such calls), and any number
+  of query rows per kv head runs here past head dims of 256.
 
 Where the kernel cannot run (no compiler, ``ATTNKIT_NATIVE=0``, head dims not multiples of 16,
 float64), the same computation runs in torch ops: the tiled executor's forward, and for a paged
@@ -45,6 +49,9 @@ CAPS = Capabilities(
     devices=frozenset({"cpu"}),
     max_query_rows=native.MAX_QUERY_ROWS,
     max_rows_per_kv_head=32,
+    # past the flash kernel's head dims (MLA's 576/512 latent head, 16-128 query heads) the
+    # fused executor's matmuls were 20-40x slower than this kernel at 16-128 rows a kv head
+    max_rows_head_dim=256,
     why={"seqlens_q": "decoding rows are all real queries",
          "score_mod": "the kernel evaluates no callable",
          "mask": "the kernel takes analytic masks only", "mask_mod": "the kernel evaluates no "

@@ -83,8 +83,8 @@ __all__ = ["available", "unavailable_reason", "build_info", "decode_reasons", "p
            "dense_decode", "DecodeCall", "fp8_dequantize", "philox_fill", "softcap_forward_",
            "softcap_backward", "alibi_tile", "flash_forward", "flash_backward", "FlashTerms",
            "FlashForward", "FlashPages", "flash_prepare", "FlashNonFinite", "FLASH_BLOCK",
-           "pool_stats", "MAX_QUERY_ROWS", "NativeKernelWarning", "kernel_error",
-           "error_codes"]
+           "pool_stats", "decode_counts", "MAX_QUERY_ROWS", "NativeKernelWarning",
+           "kernel_error", "error_codes"]
 
 _HERE = Path(__file__).parent
 # the sources, headers and flags: one list in build.py, which setup.py reads for the wheel
@@ -784,6 +784,31 @@ _DECODE_REFUSED = ("the native decode kernel checks for a page index outside [0,
                    "checks (attnkit.pages) explain such input")
 
 
+#: The decode kernel's read-once path for values that are a view into the keys (MLA's latent
+#: cache, ``v = k[..., :512]``): ``enabled`` (on; off reads them as separate rows, for A/B
+#: timings), and how many kernel calls ran (``calls``) and took it (``shared_rows``).
+_SHARED_ROWS = {"enabled": True, "calls": 0, "shared_rows": 0}
+
+
+def decode_counts() -> Dict[str, int]:
+    """How many decode kernel calls ran in this process (``calls``) and how many of them read
+    the values from inside the key rows (``shared_rows``: MLA's latent cache read once)."""
+    return {"calls": _SHARED_ROWS["calls"], "shared_rows": _SHARED_ROWS["shared_rows"]}
+
+
+def _shared_rows(k: Tensor, v: Tensor, ks: Tuple[int, ...], vs: Tuple[int, ...]) -> bool:
+    """Whether every value row lies inside its key row (``ks``/``vs``: the page, token and
+    head strides the kernel gets): one dtype and layout, the same strides, and ``v``'s data
+    ``off`` elements into ``k``'s rows with ``off + Dv <= Dk``, as for ``v = k[..., :Dv]``
+    (MLA) or ``k[..., off:off + Dv]``. The kernel checks the same and refuses a call that
+    claims it falsely."""
+    if (not _SHARED_ROWS["enabled"] or v.dtype != k.dtype or v.shape[:-1] != k.shape[:-1]
+            or tuple(ks[:3]) != tuple(vs[:3])):
+        return False
+    off, rem = divmod(v.data_ptr() - k.data_ptr(), k.element_size())
+    return rem == 0 and 0 <= off <= k.shape[-1] - v.shape[-1]
+
+
 class DecodeCall:
     """What stays the same from one :func:`paged_decode` call to the next in a decoding loop,
     worked out once: the query's dtype and head dim, the pages' dtype, the scale, the mask
@@ -877,8 +902,12 @@ class DecodeCall:
                else torch.empty(splits, bsz, hq, lq, dv, dtype=torch.float32))
         lse = (torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
                if want_lse or splits > 1 else None)
+        shared = _shared_rows(k_pages, v_pages, ks, vs)  # MLA: the value rows read once
+        _SHARED_ROWS["calls"] += 1
+        _SHARED_ROWS["shared_rows"] += shared
         rc = self.lib.attnkit_decode(
-            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot) | 2 * int(self.h16), self.scale,
+            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot) | 2 * int(self.h16) | 4 * shared,
+            self.scale,
             k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if kd is not None else None,
             vd.data_ptr() if vd is not None else None, base, base + 3 * 8,
             bt.data_ptr(), bt.shape[1], lens.data_ptr(),

@@ -95,6 +95,7 @@ typedef struct {
     int64_t qs_b, qs_h, qs_i;  /* q's element strides (B, Hq, Lq); its last dim unit stride */
     int bf16_dot;              /* bfloat16 q and keys: vdpbf16ps dot products (D % 32 == 0) */
     int h16;                   /* e4m3 pages in float16 arithmetic where they qualify (AK_H16) */
+    int shared;                /* the value rows lie inside the key rows (MLA: see mla_*) */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
     const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
@@ -1157,6 +1158,116 @@ int attnkit_native_has_fp8dot(void) {
 #endif
 }
 
+/* ---- MLA: values that are a view into the keys (job->shared) ------------------------------
+ * DeepSeek-style multi-head latent attention caches one latent vector per token (576 dims) for
+ * one kv head and reads its first 512 dims as the value: v = k[..., :512], for 16-128 query
+ * heads. The caller says so (math bit 2, which check_args holds to: the same page, token and
+ * head strides, each value row inside its key row), and the kernel then reads each cached row
+ * once: the value rows are the key rows that the chunk's scores have just brought into cache,
+ * so nothing is asked ahead for them, and P V runs the general loops on them.
+ *
+ * The scores of such wide heads (D > 128, shared rows or not) go through register tiles that
+ * load each key and query block once for 4 rows and 4 keys, where score4_dp / score4 reload the
+ * four query blocks for every key (measured, B=1-2, 2k-8k keys, one thread: the scores in
+ * 0.55-0.75x the time; a latent head's 16-128 query rows are 4-32 groups). The tiles keep the
+ * general loops' order of operations for every element (the same lane sums in the same
+ * trees), so every output is bit-identical to what score4_dp / score4 gave. P V tiles of 4
+ * rows x 32 value dims were slower than pv_rows (1.2x: registers), and blocks of 16 keys held
+ * in L1 for all row groups no faster than a whole segment. AVX-512 builds only (AVX2 has too
+ * few registers for the tiles: there the general loops run). */
+#if AK_N == 16
+#ifdef AK_DPBF16
+/* score4_dp for 4 keys k + j * ks (elements) at once: out[g * AK_CHUNK + j] */
+AK_INLINE void mla_score44_dp(const uint16_t *k, int64_t ks, const uint16_t *q, int64_t D,
+                              float scale, float *out) {
+    __m512 a[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+        __m512bh kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = ak_bh(k + j * ks + d);
+        for (int g = 0; g < 4; ++g) {
+            const __m512bh qv = ak_bh(q + g * D + d);
+            for (int j = 0; j < 4; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], qv, kv[j]);
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int g = 0; g < 4; ++g) { /* key j's sum in 128-bit lane j (sums4_dp) */
+        const __m512 x = _mm512_mul_ps(sums4_dp(a[g][0], a[g][1], a[g][2], a[g][3]),
+                                       _mm512_set1_ps(scale));
+        _mm_storeu_ps(out + g * AK_CHUNK,
+                      _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x)));
+    }
+}
+#endif
+
+/* score4 for 4 keys k + j * ks (bytes) at once: out[g * AK_CHUNK + j] */
+AK_INLINE void mla_score44(const char *k, int64_t ks, int dtype, const float *q, int64_t D,
+                           float *out) {
+    const int esz = AK_ESZ(dtype);
+    ak_vn a[4][4];
+    for (int g = 0; g < 4; ++g)
+        for (int j = 0; j < 4; ++j) a[g][j] = splatn(0.0f);
+    for (int64_t d = 0; d < D; d += AK_W) {
+        ak_vn kb[4];
+        for (int j = 0; j < 4; ++j) load_w(k + j * ks + d * esz, dtype, kb + j);
+        for (int g = 0; g < 4; ++g) {
+            ak_vn qv;
+            memcpy(&qv, q + g * D + d, sizeof qv);
+            for (int j = 0; j < 4; ++j) a[g][j] += qv * kb[j];
+        }
+    }
+    for (int g = 0; g < 4; ++g) hsum4n(a[g], out + g * AK_CHUNK, 1);
+}
+
+/* The scores of every kv head's rows against `len` key rows k + t * ks (elements; kv head
+ * stride kh), into sc columns from 0: groups of 4 rows by the 4 x 4 tiles, the keys past the
+ * last group of 4 and the rows past the groups of 4 by the general loops' functions (which the
+ * general path uses for these head dims: score_head, score4 / score1). */
+static void mla_scores(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
+                       const ak_job *job, const float *qb, const uint16_t *qhb,
+                       int64_t rows_per_head, float *sc, const ak_ahead *next) {
+    const int esz = AK_ESZ(dtype);
+    const int64_t D = job->D, groups = rows_per_head / 4, quads = len / 4;
+#ifdef AK_DPBF16
+    const int dp = qhb != NULL && dtype == AK_BF16;
+#else
+    const int dp = 0;
+    (void)qhb;
+#endif
+    for (int64_t h = 0; h < job->Hkv; ++h) {
+        const char *kh0 = k + h * kh * esz;
+        const int64_t r0 = h * rows_per_head;
+        const ak_ahead head = {next->row, h * kh * esz, next->bytes}; /* the next chunk's */
+        for (int64_t g = 0; g < groups; ++g) { /* (a group's q rows stay in L1) */
+            const int64_t r = r0 + 4 * g;
+            for (int64_t t = 0; t < 4 * quads; t += 4) {
+                float *out = sc + r * AK_CHUNK + t;
+                if (g == 0)
+                    for (int i = 0; i < 4; ++i) ahead(&head, t + i);
+#ifdef AK_DPBF16
+                if (dp) {
+                    mla_score44_dp((const uint16_t *)(const void *)(kh0 + t * ks * esz), ks,
+                                   qhb + r * D, D, job->scale, out);
+                    continue;
+                }
+#endif
+                mla_score44(kh0 + t * ks * esz, ks * esz, dtype, qb + r * D, D, out);
+            }
+        }
+        for (int64_t t = 0; t < len; ++t) { /* the keys and rows the tiles leave */
+            const int64_t first = t < 4 * quads ? 4 * groups : 0;
+            if (!first) ahead(&head, t);
+            if (first == rows_per_head) continue;
+            const int64_t r = r0 + first;
+            score_head(kh0 + t * ks * esz, dtype, qb + r * D, dp ? qhb + r * D : NULL,
+                       job->scale, D, rows_per_head - first, sc + r * AK_CHUNK + t, AK_CHUNK);
+        }
+    }
+}
+
+#endif
+
 /* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
  * keys in memory order (a token's kv heads lie together in a page), each against every kv
  * head's groups (score4), the next chunk's rows asked for as they go */
@@ -1416,6 +1527,11 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
     const int h16 = 0;
     const ak_q16 *q16 = NULL;
 #endif
+#if AK_N == 16
+    /* the score tiles (see mla_scores) where the head dim is past what the general loops keep
+     * in registers (D > 128), shared rows or not: the same sums, in less time */
+    const int mla_sc = !h16 && D > 128;
+#endif
 
     /* causal: j <= i', i.e. a right bound of at most 0 */
     const int has_right = job->has_right || job->causal;
@@ -1454,8 +1570,14 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             const char *kbase = job->kp + (seg[g].page * job->ks_page
                                            + seg[g].first * job->ks_tok) * esz;
             const ak_ahead next = {nk + seg[g].t, 0, D * esz};
-            score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head, sc + seg[g].t,
-                         &next);
+#if AK_N == 16
+            if (mla_sc)
+                mla_scores(kbase, job->ks_tok, job->ks_head, seg[g].len, dtype, job, qb, qhb,
+                           rows_per_head, sc + seg[g].t, &next);
+            else
+#endif
+                score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head,
+                             sc + seg[g].t, &next);
             if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
                 scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
                            seg[g].t, seg[g].t + seg[g].len);
@@ -1513,7 +1635,10 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
             for (int64_t h = 0; h < Hkv; ++h) {
                 const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
                 const char *vh = vbase + h * job->vs_head * esz;
-                const ak_ahead next = {nv + st, h * job->vs_head * esz, Dv * esz};
+                /* the next chunk's value rows asked for ahead, unless they are key rows
+                 * (shared: the scores ask for those) */
+                const ak_ahead next_v = {nv + st, h * job->vs_head * esz, Dv * esz};
+                const ak_ahead *next = job->shared ? NULL : &next_v;
                 int whole = 1;
                 for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
 #ifdef AK_H16
@@ -1526,7 +1651,7 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                         /* the first group looks at the value rows: a NaN byte there returns
                          * before any row's sums have moved */
                         int nan = pv_h16(v8, job->vs_tok, len, w->p16, AK_CHUNK, Dv, f,
-                                         acc + r0 * Dv, &next, 1);
+                                         acc + r0 * Dv, next, 1);
                         for (int64_t r = r0 + 4; r < r1 && !nan; r += 4)
                             pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
                                    AK_CHUNK, Dv, f, acc + r * Dv, NULL, 0);
@@ -1544,19 +1669,19 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     int64_t r = r0;
                     for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
                         pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv,
-                               r == r0 ? &next : NULL);
+                               r == r0 ? next : NULL);
                     for (; r < r1; ++r, pr += AK_CHUNK)
                         pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv,
-                               r == r0 ? &next : NULL);
+                               r == r0 ? next : NULL);
                     continue;
                 }
 #endif
                 if (whole) {
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, &next);
+                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
                     continue;
                 }
-                ahead_all(&next, len);
+                ahead_all(next, len);
                 for (int64_t r = r0; r < r1; ++r) {
                     /* the row's visible columns [t0, t1) of the chunk, within this segment */
                     int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
@@ -1688,6 +1813,15 @@ static int check_args(const ak_job *job, int64_t num_pages) {
     if (job->ks_page < 0 || job->ks_tok < 0 || job->ks_head < 0 || job->vs_page < 0
         || job->vs_tok < 0 || job->vs_head < 0)
         return 1;
+    if (job->shared) { /* v = k + off elements, the same strides, off + Dv <= D */
+        const uintptr_t kp = (uintptr_t)job->kp, vp = (uintptr_t)job->vp;
+        const uintptr_t esz = (uintptr_t)AK_ESZ(job->dtype);
+        if (vp < kp || (vp - kp) % esz || (vp - kp) / esz > (uintptr_t)job->D) return 1;
+        if ((int64_t)((vp - kp) / esz) > job->D - job->Dv) return 1;
+        if (job->ks_page != job->vs_page || job->ks_tok != job->vs_tok
+            || job->ks_head != job->vs_head)
+            return 1;
+    }
     if (B > 0 && !job->bt) return 1;
     if (job->bt_cols > INT64_MAX / P) return 1;
     const int64_t row_keys = job->bt_cols * P;
@@ -1704,7 +1838,9 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 }
 
 /* Returns AK_OK, AK_NO_MEMORY when no worker could allocate its scratch buffer, AK_BAD_ARGS
- * (nothing done) when check_args refuses the arguments. */
+ * (nothing done) when check_args refuses the arguments. `math`: bit 0 the bfloat16 dot
+ * products (bf16_dot), bit 1 e4m3 in float16 arithmetic (h16), bit 2 the value rows lie inside
+ * the key rows (shared: MLA's latent cache, read once). */
 int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
@@ -1719,6 +1855,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
                    int nthreads) {
     ak_job job = {
         .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = math & 1, .h16 = (math >> 1) & 1,
+        .shared = (math >> 2) & 1,
         .scale = scale,
         .qs_b = dims[8], .qs_h = dims[9], .qs_i = dims[10],
         .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
@@ -1733,7 +1870,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = 0, .next = 0,
     };
-    if (math & ~3 || check_args(&job, dims[7])) return AK_BAD_ARGS;
+    if (math & ~7 || check_args(&job, dims[7])) return AK_BAD_ARGS;
 #ifdef AK_FP8DOT
     if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
 #endif
