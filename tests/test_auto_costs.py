@@ -181,3 +181,22 @@ def test_the_bench_writes_this_kind_and_keeps_the_others(tmp_path, threads):
     assert data["kinds"][costs.cpu_kind()] == entry
     assert {p["mode"] for p in entry["points"]} == {"forward", "train"}
     assert entry["machine"]["threads"] == 1
+
+
+def test_replayed_calls_run_the_executor_the_table_chose(kind, restore_table):
+    """attention() remembers a launcher for a call's form; the second call of each form gives
+    the bits of the executor the table chose for it (fused for dense here, flash for causal),
+    as the first did."""
+    from attnkit import api, attention
+
+    kind(costs.cpu_kind())
+    costs.use(_synthetic(lambda dtype, mask: 0.5 if mask == "dense" else 2.0))
+    api._REPLAYS.clear()
+    q, k, v = _qkv(bh=3, lq=200)
+    for causal, name in ((False, "fused"), (True, "flash")):
+        want = attention(q, k, v, causal=causal, backend=name)
+        other = attention(q, k, v, causal=causal, backend="fused" if name == "flash" else "flash")
+        assert not torch.equal(want, other)  # (the two executors' bits differ here)
+        for _ in range(3):
+            assert torch.equal(attention(q, k, v, causal=causal), want), name
+    api._REPLAYS.clear()

@@ -74,7 +74,9 @@ def reload() -> None:
 
 def use(data: dict) -> None:
     """Choose by ``data`` (a table of :data:`TABLE_PATH`'s form) from now on, e.g. one
-    measured on another machine; :func:`reload` goes back to the packaged one."""
+    measured on another machine; :func:`reload` goes back to the packaged one. (Set it before
+    the calls: a launcher that :func:`attnkit.attention` already keeps for a form of call
+    still runs the executor it was made for.)"""
     data = dict(data)  # (it may be the table itself)
     _TABLE.clear()
     _TABLE.update(data)
