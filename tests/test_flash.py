@@ -31,8 +31,8 @@ def _qkv(n=2, hq=4, hkv=2, lq=150, lk=None, d=32, dv=None, dtype=torch.float32, 
 
 
 def _auto(spec):
-    """What auto picks for a call flash runs: flash, or (the 256-bit build's dense and plain
-    causal float32 calls) the fused executor."""
+    """What auto picks for a call flash runs: flash, or (dense and plain causal calls where
+    the cost table says torch's kernel is faster) the fused executor."""
     return fused if flash.auto_defers(spec) else flash
 
 
@@ -587,24 +587,34 @@ def test_the_256_bit_build_matches_the_oracle(tmp_path):
     assert worst < 1.0, worst
 
 
-def test_auto_defers_plain_calls_on_the_256_bit_build(monkeypatch):
-    """On a 256-bit build, auto leaves a dense or plain causal float32 call to the fused
-    executor (torch's kernel is faster there), with or without gradients; bfloat16, any other
-    term, a forced backend or a 512-bit build run flash."""
+def test_auto_defers_where_the_cost_table_says_fused_is_faster(monkeypatch):
+    """auto leaves a dense or plain causal call to the fused executor where this kind's cost
+    table (attnkit.backends.costs) says torch's kernel is faster, with or without gradients;
+    any other term, a forced backend or a kind without data run flash."""
+    from attnkit.backends import costs
+
     q, k, v = _qkv(lq=128, d=64)
     info = dict(native.build_info(), flash_bits=256)
     monkeypatch.setattr(native, "build_info", lambda: info)
-    qg = q.clone().requires_grad_()
-    for kw in (dict(), dict(causal=True)):
-        assert backends.select(build_spec(q, k, v, **kw)) is fused
-        assert backends.select(build_spec(qg, k, v, **kw)) is fused
-        assert backends.select(build_spec(q, k, v, **kw), "flash") is flash
-        qb, kb, vb = (x.bfloat16() for x in (q, k, v))
-        assert backends.select(build_spec(qb, kb, vb, **kw)) is flash
-    for kw in (dict(window=(40, 3)), dict(causal=True, diagonal="bottom_right"),
-               dict(causal=True, alibi_slopes=torch.rand(2, 4)),
-               dict(mask=masks.document_from_lengths([64, 64]))):
-        assert backends.select(build_spec(q, k, v, **kw)) is flash, kw
-    info["flash_bits"] = 512
-    assert backends.select(build_spec(q, k, v, causal=True)) is flash
+    points = [dict(bh=1, lq=128, lk=128, d=64, dtype=dt, mask=m, mode=mode, flash_ms=1.0,
+                   ratio=0.5 if dt == "float32" else 2.0)
+              for dt in ("float32", "bfloat16") for m in ("causal", "dense")
+              for mode in ("forward", "train")]
+    costs.use({"version": costs.VERSION, "kinds": {"avx2": {"points": points}}})
+    try:
+        qg = q.clone().requires_grad_()
+        for kw in (dict(), dict(causal=True)):
+            assert backends.select(build_spec(q, k, v, **kw)) is fused
+            assert backends.select(build_spec(qg, k, v, **kw)) is fused
+            assert backends.select(build_spec(q, k, v, **kw), "flash") is flash
+            qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+            assert backends.select(build_spec(qb, kb, vb, **kw)) is flash
+        for kw in (dict(window=(40, 3)), dict(causal=True, diagonal="bottom_right"),
+                   dict(causal=True, alibi_slopes=torch.rand(2, 4)),
+                   dict(mask=masks.document_from_lengths([64, 64]))):
+            assert backends.select(build_spec(q, k, v, **kw)) is flash, kw
+        info["flash_bits"] = 512  # (the table has no avx512 rows)
+        assert backends.select(build_spec(q, k, v, causal=True)) is flash
+    finally:
+        costs.reload()
 

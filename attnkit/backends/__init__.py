@@ -3,7 +3,8 @@
 Each executor module declares ``CAPS`` (:class:`~attnkit.backends.base.Capabilities`: the spec
 features, dtypes, devices and sizes it runs), ``make_plan``, ``forward`` and ``backward``, and
 optionally ``extra_reasons(spec)`` and ``auto_defers(spec)`` (True: it can run the call, but
-``auto`` should try the next executor first, which this build runs faster; forcing it still
+``auto`` should try the next executor first, which the measured cost table,
+:mod:`attnkit.backends.costs`, says runs it faster on this kind of CPU; forcing it still
 runs it) and ``replay(spec, bounds, grad)`` (a launcher for later calls of the same form,
 which :func:`attnkit.attention` remembers; see the decode and flash executors). Selection walks
 :data:`PRIORITY`; a forced backend that
@@ -19,7 +20,7 @@ from typing import Dict, List, Optional
 from torch import Tensor
 
 from ..terms.spec import AttentionSpec
-from . import decode, flash, fused, tiled, triton
+from . import costs, decode, flash, fused, tiled, triton
 from .base import not_supported_reasons
 
 #: Executors by name, in the order ``backend="auto"`` tries them.
@@ -110,3 +111,29 @@ def dp_amax(spec: AttentionSpec, dout: Tensor) -> Tensor:
 def explain(spec: AttentionSpec) -> Dict[str, List[str]]:
     """Each executor's reasons for not running ``spec`` (empty list = it can)."""
     return {name: reasons(REGISTRY[name], spec) for name in PRIORITY}
+
+
+def explain_choice(spec: AttentionSpec) -> str:
+    """Which executor ``backend="auto"`` picks for ``spec`` and why, in words: each executor
+    tried before it with its reasons (or the cost table's figures where it ran the call but
+    left it to a faster one), and for the flash / fused choice the cost table's figures."""
+    chosen = choose(spec)
+    lines = [f"auto picks {chosen.CAPS.name if chosen is not None else 'no executor'}"]
+    device = spec.q.device.type
+    for name in PRIORITY:
+        mod = REGISTRY[name]
+        if mod is chosen:
+            if name == "flash" and not reasons(fused, spec) and costs.call_form(spec):
+                lines.append(f"flash: chosen over fused: {costs.prefer(spec)[1]}")
+            break
+        auto_devices = mod.CAPS.auto_devices
+        if auto_devices is not None and device not in auto_devices:
+            lines.append(f"{name}: only when forced on {device}")
+            continue
+        why = reasons(mod, spec)
+        if why:
+            lines.append(f"{name}: " + "; ".join(why))
+        else:
+            detail = costs.prefer(spec)[1] if name == "flash" else "faster executor next"
+            lines.append(f"{name}: runs it, but leaves it to the next: {detail}")
+    return "\n".join(lines)

@@ -34,8 +34,9 @@ five products (also Dv a multiple of 32; P and dS rounded to bfloat16 for them);
 ``native.FLASH_BF16_DOT = False`` keeps float32 arithmetic for them.
 
 A CPU with AVX2, FMA and F16C but no AVX-512 runs the same kernel on 256-bit registers
-(``native.build_info()["flash_bits"] == 256``); there :func:`auto_defers` leaves dense and
-plain causal float32 and float16 calls to the fused executor.
+(``native.build_info()["flash_bits"] == 256``). :func:`auto_defers` leaves a dense or plain
+causal call to the fused executor where the measured cost table says torch's kernel is faster
+on this kind of CPU (:mod:`attnkit.backends.costs`).
 
 A call of the same form as one before it (shapes, strides, dtypes, causal / window /
 softcap) is replayed from :func:`replay`'s launcher, which holds the kernel call prepared once
@@ -139,21 +140,16 @@ def _wants_grad(spec: AttentionSpec) -> bool:
 
 
 def auto_defers(spec: AttentionSpec) -> bool:
-    """On a 256-bit (AVX2) build, a dense or plain causal call in float32 or float16 is left to
-    the fused executor: torch's own kernel is faster there without AVX-512's 32 registers,
-    forward and backward alike. bfloat16 is not (torch's bfloat16 backward is several times
-    slower there), nor any other term, nor a call that the fused executor cannot run (one
-    that asks for the row maxima); the choice never depends on the grad mode, so a call
+    """A dense or plain causal call is left to the fused executor where that executor can run
+    it and the measured cost table (`attnkit/backends/costs.json`, per CPU kind, batch rows x
+    heads against the thread count) says torch's kernel is faster. The choice never depends on
+    the grad mode (forward + backward costs decide, :mod:`attnkit.backends.costs`), so a call
     gives the same bits with and without gradients."""
-    if native.build_info().get("flash_bits", 0) >= 512 or spec.q.dtype == torch.bfloat16:
-        return False
-    terms = spec.features() - set(spec.outputs)
-    plain_causal = spec.left is None and spec.right in (None, 0) and spec.diagonal == "top_left"
-    if terms and not (terms == {"window"} and plain_causal):
-        return False
-    from . import REGISTRY
+    from . import REGISTRY, costs
 
-    return not not_supported_reasons(REGISTRY["fused"], spec)
+    if costs.call_form(spec) is None or not_supported_reasons(REGISTRY["fused"], spec):
+        return False
+    return costs.prefer(spec)[0] == "fused"
 
 
 @dataclass
