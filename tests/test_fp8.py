@@ -636,7 +636,9 @@ def test_fp8_kernel_refuses_missing_descales_itself():
     assert call(d.data_ptr(), None) == 2
     assert call(d.data_ptr(), d.data_ptr(), bf16_dot=1) == 2  # needs bfloat16 q, D % 32 == 0
     assert call(d.data_ptr(), d.data_ptr(), bf16_dot=2) == 2  # float16 math: the same, e4m3
-    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=4) == 2  # no such option
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=8) == 2  # no such option
+    # bit 2: the value rows lie inside the key rows (MLA); true here (one tensor for both)
+    assert call(d.data_ptr(), d.data_ptr(), bf16_dot=4) == 0
     assert call(d.data_ptr(), d.data_ptr(), q_dtype=3) == 2  # q is never fp8
     assert call(d.data_ptr(), d.data_ptr(), dims=bad_q) == 2
     assert call(d.data_ptr(), d.data_ptr(), splits=2, lse_ptr=None) == 2
