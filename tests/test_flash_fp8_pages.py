@@ -297,3 +297,32 @@ def test_the_kernel_refuses_fp8_codes_it_cannot_run():
             setattr(b, field, value)
         assert lib.attnkit_flash_forward(ctypes.byref(b)) == codes[name][0], name
     del keep
+
+
+def test_fp8_caches_held_as_tensors_keep_long_query_blocks_dequantized(monkeypatch):
+    """attention() and varlen_attention() over fp8 K/V held as tensors (not pages) read them
+    in place only for the decode executor's calls; a longer query block is dequantized as
+    before (the flash kernel is not routed there), with the dequantized call's result."""
+    paged_flash = []
+    original = flash.forward
+
+    def watch(spec, plan):
+        paged_flash.append(spec.paged is not None)
+        return original(spec, plan)
+
+    monkeypatch.setattr(flash, "forward", watch)
+    g = torch.Generator().manual_seed(13)
+    qp, kp, vp = (torch.randn(n, h, 64, generator=g) for n, h in ((40, 8), (300, 2), (300, 2)))
+    (q8, dq), (k8, dk), (v8, dv) = (attnkit.quantize_fp8(x) for x in (qp, kp, vp))
+    cu_q = torch.tensor([0, 20, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 150, 300], dtype=torch.int32)
+    out = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, 20, 150, descale_q=dq,
+                                   descale_k=dk, descale_v=dv, causal=True)
+    deq = [(x.float() * d).bfloat16() for x, d in ((q8, dq), (k8, dk), (v8, dv))]
+    want = attnkit.varlen_attention(*deq, cu_q, cu_k, 20, 150, causal=True)
+    assert torch.equal(out, want)
+    q4, k4, v4 = (x.view(1, *x.shape).transpose(1, 2) for x in (q8, k8, v8))
+    out = attnkit.attention(q4, k4, v4, descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
+    want = attnkit.attention(*(x.view(1, *x.shape).transpose(1, 2) for x in deq), causal=True)
+    assert torch.equal(out, want)
+    assert not any(paged_flash)

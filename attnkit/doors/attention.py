@@ -224,7 +224,10 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
     dequantizes, as for any fp8 input."""
     if not fp8_readable_in_place(q, k, v, opts, backend) or any(x.dim() != 4 for x in (q, k, v)):
         return None
-    rows = backends.most_query_rows("fp8_kv")
+    # (the decode executor's calls only: longer query blocks are dequantized as before; the
+    # flash kernel, which reads fp8 pages too, is not routed here)
+    decode = backends.REGISTRY["decode"]
+    rows = decode.CAPS.max_query_rows
     if ((rows is not None and q.shape[2] > rows)
             or not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[2] != v.shape[2]):
         return None
@@ -237,7 +240,7 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
         (n,), lk, dtype=torch.int64, device=q.device)
     spec = paged_spec(dequantize_query(q, opts.descale_q, hkv, out_dtype), pages, opts.merged(
         descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted)
-    return spec if backends.choose(spec) is not None else None
+    return spec if backends.choose(spec) is decode else None
 
 
 # ---- calls that recur: a decoding step, the same shapes again ------------------------------

@@ -144,7 +144,8 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
     if nseq < 1 or q.shape[0] % nseq:
         return None
     rows = q.shape[0] // nseq
-    most = backends.most_query_rows("fp8_kv")
+    decode = backends.REGISTRY["decode"]  # (its calls only, as in attention's fp8 cache)
+    most = decode.CAPS.max_query_rows
     if (most is not None and rows > most) or bool((counts != rows).any()):
         return None
     out_dtype, _ = check_out_dtype(opts.out_dtype, None)
@@ -157,7 +158,7 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
                     cache_descales("v", vt, opts.descale_v))
     spec = paged_spec(qb, pages, opts.merged(descale_q=None, descale_k=None, descale_v=None,
                                              seqlens_kv=cu_k[1:], starts_kv=cu_k[:-1]))
-    return (spec, rows) if backends.choose(spec) is not None else None
+    return (spec, rows) if backends.choose(spec) is decode else None
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Options
