@@ -16,7 +16,7 @@ call's, bit for bit. Forward only: with gradients wanted the paged front door ga
 pages (e4m3, e5m2, a descale per (page, kv head)) are read in place too: the packing pass
 dequantizes each block in registers into q's dtype (what :func:`attnkit.gather_kv` would
 hold), so the result is the call's on the gathered, dequantized pages, bit for bit; the
-decode executor keeps the calls of up to 16 query rows.
+decode executor keeps the calls it takes (up to 16 query rows, 32 per kv head).
 
 The backward is FlashAttention-2's, native as well: items of up to four key blocks (in
 parallel) walk the query blocks that see them, recompute the weights from the forward's

@@ -1539,7 +1539,7 @@ class FlashForward:
     ``q, k, v`` and the terms, checked and packed once. :meth:`run` takes tensors of that form
     (:meth:`fits` says whether they are) and only allocates and launches, which is what a
     call that recurs (the same shapes, step after step) needs. It holds the terms' tensors
-    (and with ``pages`` the block table and lengths), never the inputs."""
+    (and with ``pages`` the block table, lengths and fp8 descales), never the inputs."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
                  pages: Optional[FlashPages] = None):
