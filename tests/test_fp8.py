@@ -552,9 +552,10 @@ def test_fp8_nan_in_a_page_is_nan_on_both_paths(fresh_native):
         assert not bool(out[[0, 2]].isnan().any())
 
 
-def test_fp8_cache_long_prefill_chunk_gathers_dequantized():
-    """More query rows than the kernel takes: the pages are gathered, dequantized, into q's
-    dtype and attention runs on them."""
+def test_fp8_cache_long_prefill_chunk_matches_the_dequantized_pages():
+    """More query rows than the decode kernel takes: the flash kernel reads the pages in
+    place, dequantized into q's dtype (or, without it, they are gathered so), with the
+    result of attention on the dequantized pages."""
     c8, _, ids = _fp8_cache(seed=24, lengths=(40, 33))
     q = torch.randn(2, 4, 20, CACHE_D, generator=torch.Generator().manual_seed(25))
     out = attnkit.paged_attention(q, c8, ids)

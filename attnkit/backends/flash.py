@@ -12,8 +12,11 @@ the online softmax's running maxima, in natural units.
 A paged call (``spec.paged``: pages, block table and lengths; a prefill chunk too long for
 the decode executor) reads the pages in place: the packing pass finds each key through the
 block table (any page size), so no gathered copy is made and the result is the contiguous
-call's, bit for bit. Forward only: with gradients wanted the paged front door gathers; fp8
-pages stay with the decode executor (or are gathered, dequantized).
+call's, bit for bit. Forward only: with gradients wanted the paged front door gathers. fp8
+pages (e4m3, e5m2, a descale per (page, kv head)) are read in place too: the packing pass
+dequantizes each block in registers into q's dtype (what :func:`attnkit.gather_kv` would
+hold), so the result is the call's on the gathered, dequantized pages, bit for bit; the
+decode executor keeps the calls it takes (up to 16 query rows, 32 per kv head).
 
 The backward is FlashAttention-2's, native as well: items of up to four key blocks (in
 parallel) walk the query blocks that see them, recompute the weights from the forward's
@@ -69,7 +72,7 @@ CAPS = Capabilities(
     features=frozenset({"window", "mask_mod", "block_mask", "seqlens_q", "seqlens_kv",
                         "starts_kv", "segments", "batch_segments", "row_offset", "alibi",
                         "softcap", "sinks", "additive_score_mod", "score_mod_grad", "dropout",
-                        "paged_kv", "max_scores"}),
+                        "paged_kv", "fp8_kv", "max_scores"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
     devices=frozenset({"cpu"}),
     max_head_dim=256,
@@ -80,9 +83,7 @@ CAPS = Capabilities(
          "alibi_rows": "per-row ALiBi slopes are not a kernel term",
          "score_mod": "a score_mod is Python; the kernel evaluates only analytic terms",
          "dropout_mask": "a keep-mask tensor is read by the tiled executor",
-         "p_scale": "the kernel does not quantize the softmax weights",
-         "fp8_kv": "fp8 pages are the decode executor's (longer query blocks gather them, "
-                   "dequantized, for the next executor)"},
+         "p_scale": "the kernel does not quantize the softmax weights"},
     fallback=("fused", "tiled"),
     fallback_for="the forward of a call with a non-finite input (a paged one's on its "
                  "gathered pages), and the gradients of "
@@ -428,7 +429,8 @@ def _source(spec: AttentionSpec) -> Tuple[Any, ...]:
     fields (which a plan shares): inputs (pages and block table), sinks and score_mod
     tensors, by storage."""
     p = spec.paged
-    paged = () if p is None else (p.k_pages, p.v_pages, p.block_table)
+    paged = () if p is None else (p.k_pages, p.v_pages, p.block_table, p.k_descale,
+                                  p.v_descale)
     return tuple(None if x is None else (x.data_ptr(), x.shape, x.stride())
                  for x in (spec.q, spec.k, spec.v, spec.sinks, *spec.score_mod_params, *paged))
 
@@ -436,7 +438,8 @@ def _source(spec: AttentionSpec) -> Tuple[Any, ...]:
 def _pages(spec: AttentionSpec) -> Optional[native.FlashPages]:
     """The block table and lengths of a paged call (the kernel reads the pages in place)."""
     p = spec.paged
-    return None if p is None else native.FlashPages(p.block_table, spec.seqlens_kv)
+    return None if p is None else native.FlashPages(p.block_table, spec.seqlens_kv,
+                                                    p.k_descale, p.v_descale)
 
 
 def _kernel_inputs(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
@@ -449,9 +452,13 @@ def _kernel_inputs(spec: AttentionSpec) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def _gathered(spec: AttentionSpec) -> AttentionSpec:
-    """A paged call on contiguous K/V gathered from its pages (for the next executor)."""
+    """A paged call on contiguous K/V gathered from its pages (for the next executor); fp8
+    pages dequantized into q's dtype."""
     p = spec.paged
-    k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv, max_seqlen=spec.lk)
+    fp8 = p.k_descale is not None
+    k, v = gather_kv(p.k_pages, p.v_pages, p.block_table, spec.seqlens_kv, max_seqlen=spec.lk,
+                     k_descale=p.k_descale, v_descale=p.v_descale,
+                     dtype=spec.q.dtype if fp8 else None)
     return replace(spec, k=k, v=v, paged=None)
 
 

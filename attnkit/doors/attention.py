@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from types import ModuleType
 from typing import Any, Iterator, NamedTuple, Optional, Tuple
 
 import torch
@@ -213,6 +214,15 @@ def fp8_readable_in_place(q: Any, k: Any, v: Any, opts: Options, backend: str) -
         isinstance(d, Tensor) and d.requires_grad for d in descales))
 
 
+def reads_fp8_for_decoding(executor: Optional[ModuleType]) -> bool:
+    """Whether ``executor`` (chosen for an fp8 cache held as tensors, read in place) is one
+    for decoding rows, which declares a query-row bound: these caches are read in place for
+    decoding steps only; an executor that reads fp8 pages for any query length (the flash
+    kernel's prefill chunks over paged caches) leaves longer query blocks here to the
+    dequantizing path, as before."""
+    return executor is not None and executor.CAPS.max_query_rows is not None
+
+
 def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset,
                         backend: str) -> Optional[AttentionSpec]:
     """A decoding step over an fp8 K/V cache held as ``(N, Hkv, Lk, D)`` tensors with
@@ -237,7 +247,7 @@ def _fp8_cache_in_place(q: Any, k: Any, v: Any, opts: Options, wanted: frozenset
         (n,), lk, dtype=torch.int64, device=q.device)
     spec = paged_spec(dequantize_query(q, opts.descale_q, hkv, out_dtype), pages, opts.merged(
         descale_q=None, descale_k=None, descale_v=None, seqlens_kv=lengths), outputs=wanted)
-    return spec if backends.choose(spec) is not None else None
+    return spec if reads_fp8_for_decoding(backends.choose(spec)) else None
 
 
 # ---- calls that recur: a decoding step, the same shapes again ------------------------------

@@ -23,7 +23,7 @@ from ..terms.spec import (
     _is_default,
     build_spec,
 )
-from .attention import _execute, fp8_readable_in_place
+from .attention import _execute, fp8_readable_in_place, reads_fp8_for_decoding
 
 #: Options varlen_attention does not take, and why.
 UNSUPPORTED = {
@@ -157,7 +157,7 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
                     cache_descales("v", vt, opts.descale_v))
     spec = paged_spec(qb, pages, opts.merged(descale_q=None, descale_k=None, descale_v=None,
                                              seqlens_kv=cu_k[1:], starts_kv=cu_k[:-1]))
-    return (spec, rows) if backends.choose(spec) is not None else None
+    return (spec, rows) if reads_fp8_for_decoding(backends.choose(spec)) else None
 
 
 def _layout(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, opts: Options

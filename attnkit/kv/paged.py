@@ -85,7 +85,8 @@ class PagedKVCache:
     and cuDNN's suggested scale for it (``max(dtype) / amax`` rounded down to a power of two).
     A token that raises a page's maximum past its scale's range rescales the page (by a power
     of two: exact but for values that become subnormal) before it is written. The decode
-    kernel reads fp8 pages directly and converts them in registers.
+    kernel reads fp8 pages directly and converts them in registers, and the flash kernel
+    does for longer query blocks.
 
     Pages come from a free list, most recently freed first; freeing a sequence returns its
     pages without clearing them (readers use ``seqlens`` to know what is valid). The cache
@@ -439,11 +440,12 @@ def paged_attention(q: Tensor, cache: PagedKVCache, seq_ids: Sequence[Hashable],
     in place through the block table (:mod:`attnkit.backends.decode`: the native kernel, or
     page-by-page matmuls without it) when it can run the call (up to 16 query rows, analytic
     masks, no gradients); longer query blocks run on the flash kernel, which reads the pages
-    in place as well (:mod:`attnkit.backends.flash`: float32/bfloat16/float16 pages, its
-    terms, no gradients); everything else gathers the pages into contiguous K/V and runs
-    :func:`attnkit.attention` (differentiable). ``backend="decode"`` or ``"flash"`` forces that
-    in-place path (``NotImplementedError`` with the reasons when it cannot run);
-    ``"fused"``/``"tiled"`` gather and force that executor."""
+    in place as well (:mod:`attnkit.backends.flash`: float32/bfloat16/float16 pages, or fp8
+    ones dequantized block by block, its terms, no gradients); everything else gathers the
+    pages into contiguous K/V and runs :func:`attnkit.attention` (differentiable).
+    ``backend="decode"`` or ``"flash"`` forces that in-place path (``NotImplementedError``
+    with the reasons when it cannot run); ``"fused"``/``"tiled"`` gather and force that
+    executor."""
     block_table, seqlens = cache.block_table(seq_ids)
     return paged_attention_blocks(q, cache.k_pages, cache.v_pages, block_table, seqlens,
                                   k_descale=cache.k_descale, v_descale=cache.v_descale,

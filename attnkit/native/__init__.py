@@ -1099,7 +1099,7 @@ class _FlashArgs(ctypes.Structure):
                 ("dropout", _I32), ("drop_threshold", ctypes.c_uint32),
                 ("drop_offset", ctypes.c_uint32), ("drop_seed", ctypes.c_uint64),
                 ("drop_scale", _F32), ("table", _P), ("table_w", _I64), ("page", _I64),
-                ("kv_len", _P), ("mx", _P)]
+                ("kv_len", _P), ("mx", _P), ("fp8", _I32), ("kd", _P), ("vd", _P)]
 
 
 class _FlashGrads(ctypes.Structure):
@@ -1365,10 +1365,42 @@ class FlashPages:
     pages ``(P, page, Hkv, D)`` and ``(P, page, Hkv, Dv)``, ``block_table (N, W)`` lists batch
     row b's pages in order (key j in slot ``j % page`` of page ``block_table[b, j // page]``)
     and ``lengths (N,)`` its keys, at most ``W * page``. The call's ``Lk`` is ``W * page`` (the
-    gathered shape: the terms are made for it); entries past a row's pages are never read."""
+    gathered shape: the terms are made for it); entries past a row's pages are never read.
+
+    fp8 pages (float8_e4m3fn / float8_e5m2) take ``k_descale`` and ``v_descale``, float32
+    ``(P, Hkv)``: the real value of ``k[p, t, h]`` is ``k[p, t, h] * k_descale[p, h]``. The
+    kernel dequantizes them as it packs each block, into q's dtype (what
+    :func:`attnkit.gather_kv` with ``dtype=q.dtype`` gives), so the result is that of the
+    call on the gathered pages."""
 
     block_table: Tensor
     lengths: Tensor
+    k_descale: Optional[Tensor] = None
+    v_descale: Optional[Tensor] = None
+
+
+def _page_descales(pages: FlashPages, k: Tensor, v: Tensor) -> List[Tensor]:
+    """The descales of fp8 pages ``k``, ``v`` (one fp8 dtype) as float32 ``(P, Hkv)``
+    contiguous tensors (the given ones where they are already so: the kernel reads them at
+    each call), checked; ``[]`` for pages that are not fp8, which take none."""
+    if k.dtype not in _FP8:
+        if pages.k_descale is not None or pages.v_descale is not None:
+            raise ValueError(f"flash: pages.k_descale/v_descale are for fp8 pages; the pages "
+                             f"are {k.dtype}: drop them")
+        return []
+    if v.dtype != k.dtype:
+        raise TypeError(f"flash: fp8 pages k and v must share one dtype; got {k.dtype} and "
+                        f"{v.dtype}")
+    want = (k.shape[0], k.shape[2])
+    out = []
+    for name, d in (("k_descale", pages.k_descale), ("v_descale", pages.v_descale)):
+        if not isinstance(d, Tensor) or tuple(d.shape) != want or d.device.type != "cpu" or (
+                not d.dtype.is_floating_point or d.dtype in _FP8):
+            raise ValueError(f"flash: fp8 pages need pages.{name}, a float32 CPU tensor "
+                             f"{want} (num_pages, Hkv); got "
+                             f"{tuple(d.shape) if isinstance(d, Tensor) else type(d).__name__}")
+        out.append(d.detach().to(torch.float32).contiguous())
+    return out
 
 
 def _page_table(pages: FlashPages, n: int, num_pages: int, page: int) -> Tuple[Tensor, Tensor]:
@@ -1422,9 +1454,11 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
     is the caller's (:func:`_workspace`). ``pages``: k and v are pages read through its block
     table (the forward only)."""
     dtype = _DTYPES.get(q.dtype)
-    if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
+    fp8 = pages is not None and k.dtype in _FP8
+    if dtype is None or (not fp8 and (k.dtype != q.dtype or v.dtype != q.dtype)):
         raise TypeError(f"flash: q, k and v must share one dtype of float32, bfloat16 "
-                        f"or float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+                        f"or float16 (or k and v be fp8 pages); got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
     if q.dim() != 4:
         raise ValueError(f"flash: q must be (N, Hq, Lq, D); got {tuple(q.shape)}")
     n, hq, lq, d = q.shape
@@ -1464,6 +1498,10 @@ def _flash_args(q: Tensor, k: Tensor, v: Tensor, scale: float, t: FlashTerms, ba
         a.table, a.table_w, a.page, a.kv_len = (table.data_ptr(), table.shape[1], k.shape[1],
                                                 lens.data_ptr())
         keep += [table, lens]
+        descales = _page_descales(pages, k, v)
+        if descales:
+            a.fp8, a.kd, a.vd = _FP8[k.dtype], descales[0].data_ptr(), descales[1].data_ptr()
+            keep += descales
     if t.segments is not None:
         sq, sq_bs = _rows_i32(t.segments[0], n, lq, "segments[0]")
         sk, sk_bs = _rows_i32(t.segments[1], n, lk + FLASH_BLOCK, "segments[1]")
@@ -1530,7 +1568,7 @@ class FlashForward:
     ``q, k, v`` and the terms, checked and packed once. :meth:`run` takes tensors of that form
     (:meth:`fits` says whether they are) and only allocates and launches, which is what a
     call that recurs (the same shapes, step after step) needs. It holds the terms' tensors
-    (and with ``pages`` the block table and lengths), never the inputs."""
+    (and with ``pages`` the block table, lengths and fp8 descales), never the inputs."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTerms,
                  pages: Optional[FlashPages] = None):
@@ -1540,6 +1578,7 @@ class FlashForward:
         self.pages = pages
         self.form = tuple((x.shape, x.stride()) for x in keep[:3])
         self.dtype = q.dtype
+        self.kv_dtype = k.dtype
         self._keep = keep[3:]
         self._args = a  # a template: every call fills in its own pointers on a copy
         nkb = -(-a.Lk // FLASH_BLOCK)
@@ -1553,9 +1592,9 @@ class FlashForward:
     def fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """Whether ``q, k, v`` are CPU tensors of this call's dtype, shapes and strides and
         the kernel library is still the one it was prepared for."""
-        dt = self.dtype
-        return (_state.get("lib") is self.lib and q.dtype == dt and k.dtype == dt
-                and v.dtype == dt and q.is_cpu and k.is_cpu and v.is_cpu
+        dt, kvt = self.dtype, self.kv_dtype
+        return (_state.get("lib") is self.lib and q.dtype == dt and k.dtype == kvt
+                and v.dtype == kvt and q.is_cpu and k.is_cpu and v.is_cpu
                 and (q.shape, q.stride()) == self.form[0]
                 and (k.shape, k.stride()) == self.form[1]
                 and (v.shape, v.stride()) == self.form[2])

@@ -39,7 +39,7 @@
 /* ---- constants ------------------------------------------------------------------------- */
 
 #define AK_CONSTANTS(X)                                                                      \
-    X(AK_ABI, 16, "the interface's version: the loader refuses a library of another")      \
+    X(AK_ABI, 17, "the interface's version: the loader refuses a library of another")      \
     X(AK_FLASH_BLOCK, 64, "keys per block of the flash kernel")                             \
     X(AK_FLASH_MAX_DIM, 256, "the flash kernel's largest head dim")                         \
     X(AK_MAX_QUERY_ROWS, 16, "the decode kernel's query rows per sequence at most")         \
@@ -131,7 +131,11 @@ enum ak_status { AK_OK = 0, AK_ERRORS(AK_ERROR_ENUM_) };
     F(const int64_t *, kv_len)                                                               \
     /* each row's largest score (natural units, after every term; -inf for a row that sees   \
      * no key), (N, Hq, Lq) float32, or NULL */                                              \
-    F(float *, mx)
+    F(float *, mx)                                                                          \
+    /* fp8 pages (with table): AK_E4M3 or AK_E5M2, 0 for pages of dtype; the real value of   \
+     * k[p, t, h] is k[p, t, h] * kd[p * Hkv + h] (v: vd), kd and vd (P, Hkv) float32; the   \
+     * packing pass rounds each dequantized row to dtype (the gathered copy's values) */     \
+    F(int32_t, fp8) F(const float *, kd) F(const float *, vd)
 AK_STRUCT(ak_flash_args);
 
 /* The flash backward's gradients (flash.c; __init__.py's _FlashGrads). */

@@ -32,7 +32,11 @@
  * Paged K/V (the forward): the packing pass reads each key block through the block table
  * (FlashAttention / vLLM layout, pages (P, page, Hkv, d), any page size), so the blocks it
  * packs are those of the contiguous call and the rest of the forward is the same, bit for
- * bit; no gathered copy is made.
+ * bit; no gathered copy is made. fp8 pages (e4m3, e5m2; a descale per (page, kv head)) are
+ * dequantized there a block at a time, in registers (fp8.h), each row times its page's descale
+ * and rounded to the inputs' dtype: the values a gathered, dequantized copy would hold, so the
+ * result is that copy's call's, bit for bit; a NaN or an infinity (a byte, a descale, or a
+ * product) is found as in any other input.
  */
 #include <math.h>
 #include <stdint.h>
@@ -70,6 +74,8 @@
 #endif
 
 #if defined(AK_FLASH_SIMD)
+#include "fp8.h"
+
 static inline __m512 ak_load_row16(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
@@ -398,7 +404,7 @@ static inline int64_t ak_keys_of(const ak_flash_args *a, int64_t n) {
 static inline void ak_block_rows(const ak_flash_args *a, const void *x, const int64_t s[3],
                                  int64_t n, int64_t h, int64_t j0, int64_t nk,
                                  const char *rows[AK_FN]) {
-    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    const int64_t esz = a->fp8 ? 1 : a->dtype == 0 ? 4 : 2;
     const char *base = (const char *)x + h * s[1] * esz;
     if (a->table == NULL) {
         for (int64_t jj = 0; jj < nk; jj++) rows[jj] = base + (n * s[0] + (j0 + jj) * s[2]) * esz;
@@ -485,6 +491,27 @@ static int ak_pack_f32(const ak_flash_args *a, const char *kr[AK_FN], const char
     return bad;
 }
 
+/* fp8 pages: the nk rows of one block of keys or values (dim c each, at rows[]) of kv head h
+ * of batch row n, dequantized (times the descale of each row's page: desc (P, Hkv)) and
+ * rounded to dtype into buf (AK_FN rows of AK_FD elements); rows[] then point there. */
+static void ak_stage_fp8(const ak_flash_args *a, const float *desc, int64_t n, int64_t h,
+                         int64_t j0, int64_t nk, int64_t c, const char *rows[AK_FN],
+                         char *buf) {
+    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    const int64_t *pages = a->table + n * a->table_w;
+    const float unit = AK_FP8_UNIT(a->fp8);
+    for (int64_t jj = 0; jj < nk; jj++) {
+        const __m512 sc = _mm512_set1_ps(desc[pages[(j0 + jj) / a->page] * a->Hkv + h] * unit);
+        char *dst = buf + jj * AK_FD * esz;
+        for (int64_t c0 = 0; c0 < c; c0 += 16) {
+            const __m512 x = _mm512_cvtph_ps(ak_fp8_half16((const uint8_t *)rows[jj] + c0,
+                                                           a->fp8));
+            ak_store_row16(dst, a->dtype, c0, _mm512_mul_ps(x, sc));
+        }
+        rows[jj] = dst;
+    }
+}
+
 typedef struct {
     const ak_flash_args *a;
     int64_t nkb, next;
@@ -500,6 +527,9 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
     const int64_t total = a->N * a->Hkv * nkb;
     int bad = 0;
     int64_t b0, b1;
+    /* fp8 pages: one block's keys and values dequantized (ak_stage_fp8) */
+    char kbuf[AK_FN * AK_FD * 4] __attribute__((aligned(64)));
+    char vbuf[AK_FN * AK_FD * 4] __attribute__((aligned(64)));
     while (ak_next_block(&ctx->next, 4, total, &b0, &b1)) {
         for (int64_t t = b0; t < b1; t++) {
             const int64_t kb = t % nkb, nh = t / nkb, n = nh / a->Hkv, h = nh % a->Hkv;
@@ -509,6 +539,10 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
             const char *kr[AK_FN], *vr[AK_FN];
             ak_block_rows(a, a->k, a->ks, n, h, j0, nk, kr);
             ak_block_rows(a, a->v, a->vs, n, h, j0, nk, vr);
+            if (a->fp8) { /* (rows of dtype in kbuf, vbuf from here on) */
+                ak_stage_fp8(a, a->kd, n, h, j0, nk, d, kr, kbuf);
+                ak_stage_fp8(a, a->vd, n, h, j0, nk, dv, vr, vbuf);
+            }
             if (a->bf16dot)
                 bad |= ak_pack_bf(a, kr, vr, nk, (uint32_t *)a->kt + t * (d / 2) * AK_FN,
                                   (uint32_t *)a->vf + (nh * ((a->Lk + 1) / 2) + j0 / 2) * dv);
@@ -942,6 +976,8 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->table != NULL && (a->vf == NULL || a->kv_len == NULL || a->page <= 0 ||
                              a->table_w * a->page != a->Lk))
         return AK_BAD_LAYOUT; /* (paged values are always packed: no block is one strided run) */
+    if (a->fp8 != 0 && (a->fp8 < AK_E4M3 || a->fp8 > AK_E5M2)) return AK_BAD_DTYPE;
+    if (a->fp8 && (a->table == NULL || a->kd == NULL || a->vd == NULL)) return AK_BAD_LAYOUT;
 #ifndef AK_FLASH_BF16
     if (a->bf16dot) return AK_NO_BF16_DOT;
 #endif
