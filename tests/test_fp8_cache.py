@@ -197,6 +197,23 @@ def test_a_packed_decoding_step_reads_the_fp8_cache_in_place(kw, fmt, granularit
     assert ok, (err, bound)
 
 
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=(2, 0)),
+                                dict(window=(3, 1))], ids=["causal", "causal_window", "window"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_packed_fp8_call_with_a_top_left_diagonal_is_right_for_every_sequence(kw, rows):
+    """The top-left diagonal (varlen's default) counts from each sequence's first key; a read
+    of the packed cache in place that placed it at absolute key positions gave zeros (every
+    key masked) for every sequence after the first."""
+    (q8, dq), (k8, dk), (v8, dv) = _packed(E4M3, "tensor", rows)
+    cu_q, cu_k = _cu(rows)
+    with torch.no_grad():
+        out = attnkit.varlen_attention(q8, k8, v8, cu_q, cu_k, descale_q=dq, descale_k=dk,
+                                       descale_v=dv, **kw)
+    ref, plain = _packed_oracle(q8, dq, k8, dk, v8, dv, rows, **kw)
+    ok, err, bound = fa_tolerance_ok(out, ref, plain)
+    assert ok, (err, bound)
+
+
 def test_packed_fp8_calls_the_in_place_read_cannot_take_dequantize_as_before(kernel_pages):
     """Sequences with different numbers of query rows, a descale that needs its gradient, an
     option beyond the in-place read's (ALiBi): the call dequantizes the packed K/V (the kernel,

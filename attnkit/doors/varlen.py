@@ -139,6 +139,10 @@ def _fp8_packed_in_place(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
             not _is_default(getattr(opts, name), getattr(_DEFAULT_OPTIONS, name))
             for name in Options.names() if name not in _IN_PLACE_OPTIONS):
         return None
+    if (opts.causal or opts.window is not None) and opts.diagonal != "bottom_right":
+        # the read in place places a top-left diagonal at absolute key positions (as for
+        # left padding), not at each sequence's first key: varlen's meaning needs the copy
+        return None
     nseq = cu_q.numel() - 1
     counts = cu_q.diff()
     if nseq < 1 or q.shape[0] % nseq:
