@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attnkit import backends, native
-from attnkit.backends import cost_bench, costs, flash, fused
+from attnkit.backends import costs, flash, fused
+from attnkit.bench import costs as cost_bench
 from attnkit.spec import build_spec
 
 pytestmark = pytest.mark.skipif(not native.build_info().get("flash", False),

@@ -4,7 +4,7 @@ costs on this kind of CPU, as data.
 The flash executor (attnkit's kernel) and the fused one (torch's) both run dense and plain
 causal calls, and give different bits, so ``auto`` must pick one the same way every time for
 a given call on a given machine and build: it never times anything during a call. It reads
-:data:`TABLE_PATH` (``costs.json``), which :mod:`attnkit.backends.cost_bench` measured and
+:data:`TABLE_PATH` (``costs.json``), which :mod:`attnkit.bench.costs` measured and
 wrote, per CPU kind (:func:`cpu_kind`: ``avx512`` or ``avx2``, the width the native kernels
 were built for): for each executor, float32 and bfloat16, dense and causal, the forward alone
 and forward + backward, at sequence lengths 128 to 4096 and head dims 64 and 128, the
@@ -41,7 +41,7 @@ import torch
 from .. import native
 
 VERSION = 1
-#: the packaged table (``python -m attnkit.backends.cost_bench`` re-measures this machine's kind)
+#: the packaged table (``python -m attnkit.bench.costs`` re-measures this machine's kind)
 TABLE_PATH = pathlib.Path(__file__).with_name("costs.json")
 #: the fused executor is chosen only where its cost is below (1 - MARGIN) x flash's
 MARGIN = 0.1
@@ -68,7 +68,7 @@ def cpu_kind() -> Optional[str]:
 
 
 def reload() -> None:
-    """Read the packaged table again (after :mod:`attnkit.backends.cost_bench` wrote it)."""
+    """Read the packaged table again (after :mod:`attnkit.bench.costs` wrote it)."""
     use(json.loads(TABLE_PATH.read_text()) if TABLE_PATH.exists() else {})
 
 

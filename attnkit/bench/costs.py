@@ -1,7 +1,7 @@
 """Measure the flash and fused executors for the cost table that ``backend="auto"`` reads
 (:mod:`attnkit.backends.costs`), on this machine and this build of the kernels.
 
-``python -m attnkit.backends.cost_bench`` times both executors over a grid of shapes (batch x
+``python -m attnkit.bench.costs`` times both executors over a grid of shapes (batch x
 heads, sequence length, head dim, float32, bfloat16 and float16, dense and causal, the forward alone
 and forward + backward), the two alternating call by call in one process so that each
 point's ratio is a same-run one, and writes the medians into the table under this machine's
@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 
 from .. import native
-from . import costs
+from ..backends import costs
 
 #: the grid, measured on one thread (the table's costs are one thread's; the parallel split of
 #: each executor's work, :data:`attnkit.backends.costs.PARALLEL`, gives the time on more):
@@ -160,7 +160,7 @@ def run(quick: bool = False, out: Optional[pathlib.Path] = None, log=print) -> d
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.cost_bench",
+    parser = argparse.ArgumentParser(prog="python -m attnkit.bench.costs",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few points only")
     parser.add_argument("--out", type=pathlib.Path, default=None,
