@@ -273,3 +273,42 @@ def test_fp8_value_views_of_narrow_heads_give_the_copys_output(fmt, d, dv, hkv, 
         copy = attnkit.paged_attention_blocks(q, pages, pages[..., :dv].clone(), table, lens,
                                               **kw)  # (v = k whole: its own copy)
     assert _shared_calls() == before + 1 and torch.equal(out, copy)
+
+
+def test_a_paged_cache_can_hold_one_latent_per_token():
+    """``PagedKVCache(values_in_keys=True)``: MLA's latent cache, the values the first Dv
+    dims of each key row (one tensor; ``v_pages`` a view of ``k_pages``), appended once,
+    read by paged_attention as attention(q, ckv, ckv[..., :Dv]) and equal to the oracle."""
+    g = torch.Generator().manual_seed(7)
+    cache = attnkit.PagedKVCache(8, 16, 1, 576, dtype=torch.float32, v_head_dim=512,
+                                 values_in_keys=True)
+    assert cache.v_pages.data_ptr() == cache.k_pages.data_ptr()
+    assert cache.v_pages.shape == (8, 16, 1, 512)
+    lens = {"a": 37, "b": 5}
+    latents = {s: torch.randn(n, 1, 576, generator=g) for s, n in lens.items()}
+    for s, ckv in latents.items():
+        cache.allocate(s)
+        cache.append(s, ckv[:20], None)
+        cache.append(s, ckv[20:])  # v may be left out
+    q = torch.randn(2, 16, 1, 576, generator=g)
+    before = native.decode_counts()["shared_rows"] if native.available() else 0
+    out = attnkit.paged_attention(q, cache, ["a", "b"], scale=576 ** -0.5)
+    if native.available():  # the decode kernel read the latent rows once
+        assert native.decode_counts()["shared_rows"] > before
+    for i, ckv in enumerate(latents.values()):
+        k = ckv.transpose(0, 1)[None].double()
+        ref = attnkit.attention_reference(q[i:i + 1].double(), k, k[..., :512],
+                                          scale=576 ** -0.5, causal=True,
+                                          diagonal="bottom_right")
+        assert (out[i:i + 1].double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="values_in_keys"):
+        cache.append("a", latents["a"][:1], latents["a"][:1, :, :512] + 1)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        attnkit.PagedKVCache(8, 16, 1, 576, v_head_dim=640, values_in_keys=True)
+    with pytest.raises(NotImplementedError, match="fp8"):
+        attnkit.PagedKVCache(8, 16, 1, 576, v_head_dim=512, values_in_keys=True,
+                             dtype=torch.float8_e4m3fn)
+    plain = attnkit.PagedKVCache(8, 16, 1, 64)
+    plain.allocate("x")
+    with pytest.raises(TypeError, match="v is required"):
+        plain.append("x", torch.zeros(1, 1, 64), None)

@@ -70,6 +70,10 @@ class PagedKVCache:
             appended in any float dtype and quantized on append (see below).
         device: device of the pages; appended tokens must already be there.
         v_head_dim: value head dim (Dv); defaults to ``head_dim``.
+        values_in_keys: the values are the first ``v_head_dim`` dims of each key row (MLA's
+            latent cache: one 576-dim latent per token, its first 512 dims the values):
+            ``v_pages`` is a view of ``k_pages``, :meth:`append` takes the keys alone, and the
+            decode kernel reads each row once. Not for fp8 caches.
         k_descale, v_descale: fp8 only: static descales, one per kv head ``(Hkv,)`` or one
             number (vLLM's calibrated ``k_scale``/``v_scale``); an append whose values do
             not fit ``max(dtype) * descale`` is refused. None (default): per (page, kv head)
@@ -104,6 +108,7 @@ class PagedKVCache:
         v_head_dim: Optional[int] = None,
         k_descale: Any = None,
         v_descale: Any = None,
+        values_in_keys: bool = False,
     ) -> None:
         self.num_pages = check_int("num_pages", num_pages, 1)
         self.page_size = check_int("page_size", page_size, 1)
@@ -117,8 +122,20 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.k_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.head_dim,
                                    dtype=dtype, device=self.device)
-        self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
-                                   dtype=dtype, device=self.device)
+        self.values_in_keys = bool(values_in_keys)
+        if self.values_in_keys:
+            if self.v_head_dim > self.head_dim:
+                raise ValueError(f"values_in_keys=True reads the values from the key rows, so "
+                                 f"v_head_dim must be at most head_dim={self.head_dim}; got "
+                                 f"v_head_dim={self.v_head_dim}")
+            if dtype in FP8_DTYPES:
+                raise NotImplementedError(
+                    "values_in_keys=True with an fp8 dtype: the keys' and values' per-page "
+                    "scales would have to be one; use a bfloat16 or float32 latent cache")
+            self.v_pages = self.k_pages[..., :self.v_head_dim]
+        else:
+            self.v_pages = torch.zeros(num_pages, page_size, num_kv_heads, self.v_head_dim,
+                                       dtype=dtype, device=self.device)
         self.k_descale: Optional[Tensor] = None
         self.v_descale: Optional[Tensor] = None
         self._static_scales = k_descale is not None or v_descale is not None
@@ -230,20 +247,29 @@ class PagedKVCache:
                 f"{name} is on {x.device} but the cache is on {self.device}; move it with "
                 f"{name}.to('{self.device}')")
 
-    def append(self, seq_id: Hashable, k: Tensor, v: Tensor) -> None:
+    def append(self, seq_id: Hashable, k: Tensor, v: Optional[Tensor] = None) -> None:
         """Append ``T`` tokens to ``seq_id``, taking pages from the free list as needed.
 
         Args:
             seq_id: an allocated sequence.
             k: ``(T, Hkv, Dqk)`` keys, token-major, the cache's dtype and device.
-            v: ``(T, Hkv, Dv)`` values.
+            v: ``(T, Hkv, Dv)`` values; None (or ``k[..., :Dv]``) for a cache built with
+                ``values_in_keys=True``, whose values are in the keys.
 
         ``T`` may be anything >= 0 and may span page boundaries. Raises
         :class:`OutOfPagesError` when the free pages do not suffice; nothing changes then.
         """
         self._check_known(seq_id)
         self._check_tokens("k", k, self.head_dim)
+        if v is None and not self.values_in_keys:
+            raise TypeError("v is required: this cache keeps values of their own (build it "
+                            "with values_in_keys=True for values inside the key rows)")
+        if v is None:
+            v = k[..., :self.v_head_dim]
         self._check_tokens("v", v, self.v_head_dim)
+        if self.values_in_keys and not torch.equal(v, k[..., :self.v_head_dim]):
+            raise ValueError(f"this cache was built with values_in_keys=True: the values are "
+                             f"k[..., :{self.v_head_dim}], and the v given differs; pass v=None")
         T = k.shape[0]
         if v.shape[0] != T:
             raise ValueError(
@@ -278,8 +304,9 @@ class PagedKVCache:
                 else:
                     self.k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(
                         0, slots, k.detach())
-                    self.v_pages.view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(
-                        0, slots, v.detach())
+                    if not self.values_in_keys:  # (else written with the keys)
+                        self.v_pages.view(-1, self.num_kv_heads, self.v_head_dim).index_copy_(
+                            0, slots, v.detach())
         except BaseException:
             self._free.extend(reversed(new_pages))
             raise
