@@ -20,8 +20,10 @@ needs_dp = pytest.mark.skipif(
     not native.available() or not native.build_info().get("bf16_dot"),
     reason="the bfloat16 dot products need the native kernel built with AVX512-BF16")
 
-# (Hq, Hkv, D, Dv, shared): MLA's latent cache (the values the keys' first 512 dims) and GQA
-SHAPES = {"mla": (16, 1, 576, 512, True), "gqa": (8, 2, 128, 128, False)}
+# (Hq, Hkv, D, Dv, shared): MLA's latent cache (the values the keys' first 512 dims) and GQA;
+# gqa96: three rows a kv head (the one-row loop) and 32 value dims a pass (Dv % 64 != 0)
+SHAPES = {"mla": (16, 1, 576, 512, True), "gqa": (8, 2, 128, 128, False),
+          "gqa96": (6, 2, 96, 96, False)}
 
 
 @pytest.fixture
