@@ -5,12 +5,15 @@ read-once path).
 
     python examples/mla_decode.py [--batch 8] [--context 8192] [--heads 16 128]
                                   [--page 0 64] [--rounds 15] [--dtype bfloat16]
+                                  [--float32-pv]
 
 ``--page 0`` is the contiguous cache ``attention(q, ckv, ckv[..., :512])``; a page size runs
 ``paged_attention_blocks(q, pages, pages[..., :512], ...)`` over shuffled pages. The three
 variants alternate, round after round, in one process (a shared machine's load then falls on
 all three alike); printed: the median wall and CPU (process) milliseconds per step, and the
-median over rounds of each round's ratio to the copy.
+median over rounds of each round's ratio to the copy. ``--float32-pv`` adds the view and the
+copy with ``P V`` in float32 arithmetic (``native.DECODE_BF16_PV = False``; by default bfloat16
+calls on an AVX512-BF16 build run it in bfloat16 dot products), each compared with that copy.
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ def _variants(batch: int, context: int, hq: int, page: int,
     return {"view": call(view), "copy": call(copy), "view, read as separate rows": before}
 
 
+def _float32_pv(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        native.DECODE_BF16_PV = False
+        try:
+            return fn()
+        finally:
+            native.DECODE_BF16_PV = True
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -73,16 +87,22 @@ def main() -> None:
     ap.add_argument("--page", type=int, nargs="+", default=[0, 64])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--float32-pv", action="store_true",
+                    help="also the view and the copy with P V in float32 arithmetic")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"{native.describe()}; torch threads {torch.get_num_threads()}")
     for hq in args.heads:
         for page in args.page:
             fns = _variants(args.batch, args.context, hq, page, dtype)
+            if args.float32_pv:
+                fns["view, float32 P V"] = _float32_pv(fns["view"])
+                fns["copy, float32 P V"] = _float32_pv(fns["copy"])
             outs = {name: fn() for name, fn in fns.items()}  # (warm-up, and a check)
             for name, out in outs.items():
-                if not torch.equal(out, outs["copy"]):
-                    raise SystemExit(f"{name} differs from the copy")
+                same = "copy, float32 P V" if name.endswith("float32 P V") else "copy"
+                if not torch.equal(out, outs[same]):
+                    raise SystemExit(f"{name} differs from the {same}")
             times: Dict[str, List[Tuple[float, float]]] = {name: [] for name in fns}
             with torch.no_grad():
                 for _ in range(args.rounds):

@@ -170,7 +170,9 @@ def test_non_finite_values_propagate_like_torch(case, layout, lq, dtype):
         split_out, split_lse = native.dense_decode(q, k, v, scale, seqlens=lens, causal=True,
                                                    diagonal="bottom_right", splits=3)
     ref, ref_lse, plain = _per_row_oracle(q, k, v, vis)
-    _check(out, lse, ref, ref_lse, plain)
+    # (bfloat16: dense_decode's float32 output carries P rounded to bfloat16 where P V runs
+    # in bfloat16 dot products, native.DECODE_BF16_PV: FlashAttention's rule, as the paged)
+    _check(out.to(dtype), lse, ref, ref_lse, plain)
     _check(split_out.to(dtype), split_lse, ref, ref_lse, plain)  # merged by LSE
     if case not in ("hidden", "diagonal"):
         # torch's math SDPA on the dense cache (the NaN padding replaced: its masked keys
@@ -274,7 +276,9 @@ def test_decode_through_attention_shows_nan_like_torch(padded, dtype):
         v[1, :, 60:] = NAN
     out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
     ref, ref_lse, plain = _per_row_oracle(q, k, v, vis)
-    _check(out, lse, ref, ref_lse, plain)
+    # (bfloat16: dense_decode's float32 output carries P rounded to bfloat16 where P V runs
+    # in bfloat16 dot products, native.DECODE_BF16_PV: FlashAttention's rule, as the paged)
+    _check(out.to(dtype), lse, ref, ref_lse, plain)
     seen = vis.transpose(2, 3)
     zero = torch.zeros((), dtype=dtype)
     want = _torch_math(q, torch.where(seen, k, zero), torch.where(seen, v, zero), vis,

@@ -808,6 +808,12 @@ def _shared_rows(k: Tensor, v: Tensor, ks: Tuple[int, ...], vs: Tuple[int, ...])
     off, rem = divmod(v.data_ptr() - k.data_ptr(), k.element_size())
     return rem == 0 and 0 <= off <= k.shape[-1] - v.shape[-1]
 
+#: decode with bfloat16 q and pages where the vdpbf16ps dot products apply (``bf16_dot``):
+#: P V in bfloat16 dot products too, P rounded to bfloat16 as torch's bfloat16 kernels (and
+#: the flash kernel under FLASH_BF16_DOT) round it; False: P V in float32 arithmetic. Read at
+#: every call.
+DECODE_BF16_PV = True
+
 
 class DecodeCall:
     """What stays the same from one :func:`paged_decode` call to the next in a decoding loop,
@@ -903,10 +909,14 @@ class DecodeCall:
         lse = (torch.empty(splits, bsz, hq, lq, dtype=torch.float32)
                if want_lse or splits > 1 else None)
         shared = _shared_rows(k_pages, v_pages, ks, vs)  # MLA: the value rows read once
+        # P V in bfloat16 dot products too (P rounded to bfloat16): read at every call
+        pv = int(DECODE_BF16_PV and self.bf16_dot and k_pages.dtype == torch.bfloat16
+                 and v_pages.dtype == torch.bfloat16 and dv % 32 == 0)
         _SHARED_ROWS["calls"] += 1
         _SHARED_ROWS["shared_rows"] += shared
         rc = self.lib.attnkit_decode(
-            q.data_ptr(), _DTYPES[q.dtype], int(self.bf16_dot) | 2 * int(self.h16) | 4 * shared,
+            q.data_ptr(), _DTYPES[q.dtype],
+            int(self.bf16_dot) | 2 * int(self.h16) | 4 * shared | 8 * pv,
             self.scale,
             k_pages.data_ptr(), v_pages.data_ptr(), kd.data_ptr() if kd is not None else None,
             vd.data_ptr() if vd is not None else None, base, base + 3 * 8,

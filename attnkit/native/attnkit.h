@@ -39,7 +39,7 @@
 /* ---- constants ------------------------------------------------------------------------- */
 
 #define AK_CONSTANTS(X)                                                                      \
-    X(AK_ABI, 17, "the interface's version: the loader refuses a library of another")      \
+    X(AK_ABI, 18, "the interface's version: the loader refuses a library of another")      \
     X(AK_FLASH_BLOCK, 64, "keys per block of the flash kernel")                             \
     X(AK_FLASH_MAX_DIM, 256, "the flash kernel's largest head dim")                         \
     X(AK_MAX_QUERY_ROWS, 16, "the decode kernel's query rows per sequence at most")         \
@@ -180,7 +180,8 @@ int attnkit_native_has_dpbf16(void);
 int attnkit_native_has_h16(void);
 int attnkit_native_has_fp8dot(void);
 /* decode.c: attention of a few query rows over a paged cache. math: 1 bfloat16 dot
- * products, 2 float16 arithmetic for e4m3 pages. Returns AK_OK, AK_BAD_ARGS (nothing done)
+ * products, 2 float16 arithmetic for e4m3 pages, 4 the value rows inside the key rows (MLA),
+ * 8 P V in bfloat16 dot products too (with 1, bfloat16 pages, Dv % 32 == 0). Returns AK_OK, AK_BAD_ARGS (nothing done)
  * or AK_NO_MEMORY. */
 int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,

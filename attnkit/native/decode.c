@@ -96,6 +96,7 @@ typedef struct {
     int bf16_dot;              /* bfloat16 q and keys: vdpbf16ps dot products (D % 32 == 0) */
     int h16;                   /* e4m3 pages in float16 arithmetic where they qualify (AK_H16) */
     int shared;                /* the value rows lie inside the key rows (MLA: see mla_*) */
+    int bf16_pv;               /* bfloat16 pages: P V in vdpbf16ps, P rounded (pv_dp_rows) */
     float scale;
     const char *kp, *vp;       /* pages, element strides below, last dim unit stride */
     const float *kd, *vd;      /* fp8 pages: (num_pages, Hkv) descales, else NULL */
@@ -549,6 +550,90 @@ static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const 
     else if (dtype == AK_E5M2) pv_head_t(v, vstride, n, AK_E5M2, p, ps, Dv, rows, acc, pf);
     else pv_head_t(v, vstride, n, AK_F32, p, ps, Dv, rows, acc, pf);
 }
+
+#ifdef AK_DPBF16
+/* P V in vdpbf16ps (bf16_pv: bfloat16 pages, Dv % 32 == 0): the weights rounded to bfloat16
+ * (round to nearest even, as torch's bfloat16 kernels round P), two keys a step: the rows
+ * v_t and v_t+1 interleaved 16 bits at a time (vpunpcklwd / vpunpckhwd) against the pair
+ * (p_t, p_t+1) broadcast as one 32-bit lane, the sums in float32. An odd last key pairs with
+ * a zero row and weight 0 (nothing past the n rows is read). The interleave puts dim
+ * 8k + i (i < 4) of each 32 in lane 4k + i of the "lo" sums and dim 8k + 4 + i in lane 4k + i
+ * of the "hi" sums: they go back in order (one permute each) when added into acc. ROWS rows
+ * (1 or 4) g of weights p + g * ps, sums acc + g * Dv; 64 dims a pass where Dv allows. */
+#define AK_PW (AK_CHUNK / 2 + 8)
+AK_INLINE void pv_dp_pair(__m512i x0, __m512i x1, const uint32_t pw[4][AK_PW], int64_t i,
+                          int ROWS, __m512 *lo, __m512 *hi) {
+    const __m512bh il = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+    const __m512bh ih = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    for (int g = 0; g < ROWS; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pw[g][i]);
+        lo[g] = _mm512_dpbf16_ps(lo[g], il, pp);
+        hi[g] = _mm512_dpbf16_ps(hi[g], ih, pp);
+    }
+}
+
+AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float *p,
+                          int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf) {
+    uint32_t pw[4][AK_PW]; /* row g's weights in bfloat16, pair i = (p_2i, p_2i+1) */
+    for (int g = 0; g < ROWS; ++g)
+        for (int64_t t = 0; t < n; t += 16) {
+            const int64_t m = n - t < 16 ? n - t : 16; /* lanes past n: weight 0 */
+            const __m512 x = _mm512_maskz_loadu_ps((__mmask16)((1u << m) - 1), p + g * ps + t);
+            _mm256_storeu_si256((__m256i *)(void *)&pw[g][t / 2],
+                                (__m256i)_mm512_cvtneps_pbh(x));
+        }
+    const int64_t pairs = n / 2;
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                         30, 31);
+    const int DB = Dv % 64 == 0 ? 2 : 1;
+    for (int64_t d = 0; d < Dv; d += 32 * DB) {
+        __m512 lo[2][4], hi[2][4];
+        for (int b = 0; b < 2; ++b)
+            for (int g = 0; g < 4; ++g) lo[b][g] = hi[b][g] = _mm512_setzero_ps();
+        const char *vd = v + d * 2;
+        int64_t i = 0;
+        for (; i < pairs; ++i) {
+            const int64_t t = 2 * i;
+            if (d == 0) {
+                ahead(pf, t);
+                ahead(pf, t + 1);
+            }
+            const char *r0 = vd + t * vstride, *r1 = r0 + vstride;
+            for (int b = 0; b < DB; ++b)
+                pv_dp_pair(_mm512_loadu_si512((const void *)(r0 + 64 * b)),
+                           _mm512_loadu_si512((const void *)(r1 + 64 * b)), pw, i, ROWS, lo[b],
+                           hi[b]);
+        }
+        if (n & 1) { /* the last key with a zero row */
+            if (d == 0) ahead(pf, n - 1);
+            const char *r0 = vd + (n - 1) * vstride;
+            for (int b = 0; b < DB; ++b)
+                pv_dp_pair(_mm512_loadu_si512((const void *)(r0 + 64 * b)),
+                           _mm512_setzero_si512(), pw, i, ROWS, lo[b], hi[b]);
+        }
+        for (int b = 0; b < DB; ++b)
+            for (int g = 0; g < ROWS; ++g) {
+                float *a = acc + g * Dv + d + 32 * b;
+                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a),
+                                                  _mm512_permutex2var_ps(lo[b][g], i0, hi[b][g])));
+                _mm512_storeu_ps(a + 16,
+                                 _mm512_add_ps(_mm512_loadu_ps(a + 16),
+                                               _mm512_permutex2var_ps(lo[b][g], i1, hi[b][g])));
+            }
+    }
+}
+
+/* pv_head's bf16_pv form: the head's rows four at a time, then one at a time */
+static void pv_head_dp(const char *v, int64_t vstride, int64_t n, const float *p, int64_t ps,
+                       int64_t Dv, int64_t rows, float *acc, const ak_ahead *pf) {
+    int64_t r = 0;
+    if (rows < 4) ahead_all(pf, n);
+    for (; r + 4 <= rows; r += 4)
+        pv_dp_rows(v, vstride, n, p + r * ps, ps, Dv, 4, acc + r * Dv, r == 0 ? pf : NULL);
+    for (; r < rows; ++r) pv_dp_rows(v, vstride, n, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL);
+}
+#endif
 
 /* Visible keys [*a, *e) of a query at aligned position ip among L keys: ip - left <= j and
  * j <= ip + right, a side without its flag unbounded. ip and L are small (|ip| <= L + Lq) but
@@ -1676,6 +1761,27 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     continue;
                 }
 #endif
+#ifdef AK_DPBF16
+                if (job->bf16_pv) { /* P V in vdpbf16ps (bfloat16 pages) */
+                    if (whole) {
+                        pv_head_dp(vh, job->vs_tok * esz, len, sc + r0 * AK_CHUNK + st,
+                                   AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
+                        continue;
+                    }
+                    ahead_all(next, len);
+                    for (int64_t r = r0; r < r1; ++r) {
+                        int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
+                        int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
+                        if (t0 < st) t0 = st;
+                        if (t1 > se) t1 = se;
+                        if (t1 > t0)
+                            pv_dp_rows(vh + (t0 - st) * job->vs_tok * esz, job->vs_tok * esz,
+                                       t1 - t0, sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv,
+                                       NULL);
+                    }
+                    continue;
+                }
+#endif
                 if (whole) {
                     pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
                             AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
@@ -1804,6 +1910,12 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 #else
     if (job->bf16_dot) return 1;
 #endif
+#ifdef AK_DPBF16
+    if (job->bf16_pv && (!job->bf16_dot || job->dtype != AK_BF16 || job->Dv % 32))
+        return 1; /* P V in bf16 dot products: with bf16_dot, bfloat16 pages, Dv % 32 == 0 */
+#else
+    if (job->bf16_pv) return 1;
+#endif
 #ifdef AK_H16
     if (job->h16 && (job->dtype != AK_E4M3 || job->q_dtype != AK_BF16 || job->D % 32))
         return 1; /* float16 arithmetic: e4m3 pages, bfloat16 q, D % 32 == 0 */
@@ -1840,7 +1952,9 @@ static int check_args(const ak_job *job, int64_t num_pages) {
 /* Returns AK_OK, AK_NO_MEMORY when no worker could allocate its scratch buffer, AK_BAD_ARGS
  * (nothing done) when check_args refuses the arguments. `math`: bit 0 the bfloat16 dot
  * products (bf16_dot), bit 1 e4m3 in float16 arithmetic (h16), bit 2 the value rows lie inside
- * the key rows (shared: MLA's latent cache, read once). */
+ * the key rows (shared: MLA's latent cache, read once), bit 3 P V in bfloat16 dot products
+ * too (bf16_pv: with bf16_dot and bfloat16 pages, Dv % 32 == 0; the weights rounded to
+ * bfloat16, see pv_dp_rows). */
 int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void *kp,
                    const void *vp, const float *kd, const float *vd,
                    const int64_t *kstrides, const int64_t *vstrides,
@@ -1855,7 +1969,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
                    int nthreads) {
     ak_job job = {
         .q = (const char *)q, .q_dtype = q_dtype, .bf16_dot = math & 1, .h16 = (math >> 1) & 1,
-        .shared = (math >> 2) & 1,
+        .shared = (math >> 2) & 1, .bf16_pv = (math >> 3) & 1,
         .scale = scale,
         .qs_b = dims[8], .qs_h = dims[9], .qs_i = dims[10],
         .kp = (const char *)kp, .vp = (const char *)vp, .kd = kd, .vd = vd,
@@ -1870,7 +1984,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
         .softcap = softcap, .alibi = alibi, .out = out, .lse = lse,
         .ntasks = 0, .next = 0,
     };
-    if (math & ~7 || check_args(&job, dims[7])) return AK_BAD_ARGS;
+    if (math & ~15 || check_args(&job, dims[7])) return AK_BAD_ARGS;
 #ifdef AK_FP8DOT
     if (job.bf16_dot && job.dtype >= AK_E4M3) fp8_tables(&job);
 #endif
