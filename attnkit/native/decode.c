@@ -61,6 +61,8 @@ typedef _Float16 ak_vh __attribute__((vector_size(32)));
 #endif
 #if defined(__AVX512F__) || defined(AK_AVX2)
 #include <immintrin.h>
+
+#include "fp8.h"
 #endif
 
 /* 16 float16 bit patterns as float32: vcvtph2ps where there is AVX-512 or F16C (GCC
@@ -238,14 +240,8 @@ AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
     const __m256i high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,
                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
                                           -1, 15);
-    const __m256i w = _mm256_shuffle_epi8(b, high); /* byte i << 8 in lane i */
-    if (dtype == AK_E5M2) return w;
-    const __m256i h =
-        _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF));
-    /* w + w keeps the byte's low 7 bits alone: all ones iff NaN */
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_add_epi16(w, w),
-                                           _mm256_set1_epi16((short)0xFE00));
-    return _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7E00), nan);
+    /* byte i << 8 in lane i */
+    return ak_fp8_high_to_half16(_mm256_shuffle_epi8(b, high), dtype);
 }
 
 /* 16 elements at p as two 8-lane vectors, the values load16 gives (bfloat16: AK_EVEN_ODD) */
