@@ -246,8 +246,9 @@ def test_packed_fp8_output_follows_out_dtype_and_out_scale(monkeypatch):
     attention() does (it returned bfloat16 before), in place or dequantizing alike."""
     from attnkit import native
 
-    if native.available():  # one arithmetic for all three (bfloat16 q would take float16)
-        monkeypatch.setitem(native._state["info"], "h16", False)
+    if native.available():  # one arithmetic for all three (bfloat16 q would take float16,
+        monkeypatch.setitem(native._state["info"], "h16", False)  # and bfloat16 P V)
+        monkeypatch.setattr(native, "DECODE_BF16_PV", False)
     (q8, dq), (k8, dk), (v8, dv) = _packed(E4M3, "tensor", 1)
     cu_q, cu_k = _cu(1)
     kw = dict(descale_q=dq, descale_k=dk, descale_v=dv, causal=True, diagonal="bottom_right")
