@@ -327,6 +327,16 @@ AK_INLINE void ahead(const ak_ahead *a, int64_t t) {
 }
 
 /* ahead() for every row t < n: for the loops that do not ask as they go */
+/* A row's visible columns [*t0, *t1) of the chunk [c0, c1) (chunk-relative; the row sees
+ * keys [lo, hi)), within the chunk's segment [st, se) */
+AK_INLINE void row_span(int64_t lo, int64_t hi, int64_t c0, int64_t c1, int64_t st, int64_t se,
+                        int64_t *t0, int64_t *t1) {
+    *t0 = lo > c0 ? lo - c0 : 0;
+    *t1 = hi < c1 ? hi - c0 : c1 - c0;
+    if (*t0 < st) *t0 = st;
+    if (*t1 > se) *t1 = se;
+}
+
 AK_INLINE void ahead_all(const ak_ahead *a, int64_t n) {
     for (int64_t t = 0; t < n; ++t) ahead(a, t);
 }
@@ -1766,10 +1776,8 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                     }
                     ahead_all(next, len);
                     for (int64_t r = r0; r < r1; ++r) {
-                        int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
-                        int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
-                        if (t0 < st) t0 = st;
-                        if (t1 > se) t1 = se;
+                        int64_t t0, t1;
+                        row_span(lo[r], hi[r], c0, c1, st, se, &t0, &t1);
                         if (t1 > t0)
                             pv_dp_rows(vh + (t0 - st) * job->vs_tok * esz, job->vs_tok * esz,
                                        t1 - t0, sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv,
@@ -1785,11 +1793,8 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
                 }
                 ahead_all(next, len);
                 for (int64_t r = r0; r < r1; ++r) {
-                    /* the row's visible columns [t0, t1) of the chunk, within this segment */
-                    int64_t t0 = lo[r] > c0 ? lo[r] - c0 : 0;
-                    int64_t t1 = hi[r] < c1 ? hi[r] - c0 : n;
-                    if (t0 < st) t0 = st;
-                    if (t1 > se) t1 = se;
+                    int64_t t0, t1;
+                    row_span(lo[r], hi[r], c0, c1, st, se, &t0, &t1);
                     pv_row_range(vh, job->vs_tok * esz, t0 - st, t1 - st, dtype,
                                  sc + r * AK_CHUNK + st, Dv, acc + r * Dv);
                 }
