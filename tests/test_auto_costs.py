@@ -201,3 +201,19 @@ def test_replayed_calls_run_the_executor_the_table_chose(kind, restore_table):
         for _ in range(3):
             assert torch.equal(attention(q, k, v, causal=causal), want), name
     api._REPLAYS.clear()
+
+
+def test_a_new_table_applies_to_calls_already_replayed(restore_table):
+    """costs.use() after a form of call was remembered: the next call of that form runs the
+    executor the new table chooses, not the launcher made under the old one (a replay gives
+    what the full path gives)."""
+    from attnkit import api, attention
+
+    api._REPLAYS.clear()
+    q, k, v = _qkv(bh=3, lq=200)
+    bits = {name: attention(q, k, v, backend=name) for name in ("fused", "flash")}
+    for name, ratio in (("flash", 2.0), ("fused", 0.5), ("flash", 2.0)):
+        costs.use(_synthetic(lambda dtype, mask, r=ratio: r))
+        for _ in range(3):
+            assert torch.equal(attention(q, k, v), bits[name]), name
+    api._REPLAYS.clear()

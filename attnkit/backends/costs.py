@@ -56,6 +56,7 @@ PARALLEL: Dict[str, Dict[str, Tuple[str, object]]] = {
 }
 _TABLE: dict = {}
 _LOADED = [False]  # (whether _TABLE holds a table: the packaged one is read at first use)
+_GENERATION = [0]  # (bumped by every use(): what replay keys hold of the table)
 
 
 def cpu_kind() -> Optional[str]:
@@ -75,14 +76,20 @@ def reload() -> None:
 def use(data: dict) -> None:
     """Choose by ``data`` (a table of :data:`TABLE_PATH`'s form) from now on, e.g. one
     measured on another machine; :func:`reload` goes back to the packaged one. (Set it before
-    the calls: a launcher that :func:`attnkit.attention` already keeps for a form of call
-    still runs the executor it was made for.)"""
+    the calls or between them: the launchers :func:`attnkit.attention` keeps for forms of
+    call are keyed on :func:`generation`, so the next call of each form chooses again.)"""
     data = dict(data)  # (it may be the table itself)
     _TABLE.clear()
     _TABLE.update(data)
     _LOADED[0] = True
+    _GENERATION[0] += 1
     _nodes.cache_clear()
     _decide.cache_clear()
+
+
+def generation() -> int:
+    """How many tables :func:`use` has set in this process: a cache of choices keys on it."""
+    return _GENERATION[0]
 
 
 def table() -> dict:

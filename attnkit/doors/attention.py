@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from .. import backends, native
+from ..backends import costs
 from ..engine.autograd import _no_autocast, run, unbroadcast, unbroadcast_input
 from ..engine.ops import is_compiling
 from ..kv.paged import paged_spec
@@ -293,7 +294,8 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str
     cache's strides: the decode launcher takes any, the flash launcher checks them itself),
     and the normalised padding's form (which padding tensors exist once normalised: all-zero
     starts hide no key and are none), so that a launcher serves only calls that normalise
-    as the call it was made for did, and which native kernels are loaded (the executors'
+    as the call it was made for did, which native kernels are loaded and which cost table
+    chooses (:func:`attnkit.backends.costs.generation`; the executors'
     choice depends on them). The key is None when this call cannot be replayed: a
     tensor subclass, not CPU, not 4-D, batch sizes that broadcast, an option beyond
     :data:`_REPLAY_OPTIONS`, padding the full path would refuse, autocast, a torch.func
@@ -334,8 +336,8 @@ def _replay_key(q: Any, k: Any, v: Any, options: dict, backend: str
     form = (padding[0] is not None, padding[1] is not None)
     return (q.shape, q.stride(), q.dtype, ks[0], ks[1], ks[3], k.stride(3), k.dtype, vs[0],
             vs[1], vs[3], v.stride(3), v.dtype, backend, torch.get_num_threads(),
-            torch.are_deterministic_algorithms_enabled(), id(state["lib"]), tuple(items),
-            form, grad), tuple(padding)
+            torch.are_deterministic_algorithms_enabled(), id(state["lib"]), costs.generation(),
+            tuple(items), form, grad), tuple(padding)
 
 
 def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str,
