@@ -33,16 +33,11 @@ from .doors.attention import (
 )
 from .doors.errors import AttentionTypeError, AttentionValueError
 from .doors.flex import flex_attention
+from .doors.paged import paged_attention, paged_attention_blocks
 from .doors.varlen import varlen_attention
 from .integrations import torch_varlen as _torch_varlen
 from .kv.merge import merge_state, merge_states
-from .kv.paged import (
-    OutOfPagesError,
-    PagedKVCache,
-    gather_kv,
-    paged_attention,
-    paged_attention_blocks,
-)
+from .kv.paged import OutOfPagesError, PagedKVCache, gather_kv
 from .reference import attention_reference
 from .terms import masks, score_mods
 from .terms.block_mask import BlockMask, create_block_mask

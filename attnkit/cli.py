@@ -116,7 +116,8 @@ def run_decode_check(dtypes: Sequence[str], seed: int = 0) -> List[dict]:
     native decode kernel when it is built (see ``attnkit.native``), else in torch ops."""
     from . import native
     from .doors.attention import attention
-    from .kv.paged import gather_kv, paged_attention_blocks
+    from .doors.paged import paged_attention_blocks
+    from .kv.paged import gather_kv
     from .reference import attention_reference
 
     rows = []

@@ -19,6 +19,7 @@ from conftest import fa_tolerance_ok, spy
 import attnkit
 from attnkit import backends, native
 from attnkit.backends import decode, flash, fused, tiled
+from attnkit.doors import paged as paged_doors
 from attnkit.kv import paged as kv_paged
 from attnkit.kv.pages import gather_kv
 from attnkit.reference import attention_reference as ref
@@ -82,7 +83,7 @@ def in_place(monkeypatch):
 def _gather_spies(monkeypatch):
     """Lists that record the calls of gather_kv from the paged door and the executors (each
     spy's own list: a sum of them would be a copy, empty for good)."""
-    return [spy(monkeypatch, mod, "gather_kv") for mod in (kv_paged, flash, decode)]
+    return [spy(monkeypatch, mod, "gather_kv") for mod in (paged_doors, flash, decode)]
 
 
 def _oracle_check(out, q, kp, vp, kd, vd, table, lens, kw):
@@ -190,7 +191,7 @@ def test_the_executor_choice_over_fp8_pages():
         q = torch.zeros(1, hq, lq, 128, dtype=torch.bfloat16)
         opts = Options.from_kwargs("paged_attention", {"causal": True,
                                                        "diagonal": "bottom_right"},
-                                   kv_paged.TAKES).merged(seqlens_kv=lens.long())
+                                   paged_doors.TAKES).merged(seqlens_kv=lens.long())
         spec = kv_paged.paged_spec(q, PagedKV(kp, vp, table.long(), kd, vd), opts)
         assert "fp8_kv" in spec.features()
         return backends.choose(spec)

@@ -15,6 +15,7 @@ from conftest import check_oracle, fa_tolerance_ok, rand, spy
 import attnkit
 from attnkit import backends, native, paged
 from attnkit.backends import flash, fused, tiled
+from attnkit.doors import paged as paged_doors
 from attnkit.reference import attention_reference as ref
 from attnkit.reference import scores as ref_scores
 from attnkit.spec import PagedKV, build_spec
@@ -71,7 +72,7 @@ def flash_in_place(monkeypatch):
     gather: ``calls`` counts its forwards."""
     calls = spy(monkeypatch, flash, "forward")
     # (each spy's own list: a sum of them would be a copy, empty whatever runs)
-    gathers = [spy(monkeypatch, mod, "gather_kv") for mod in (paged, flash)]
+    gathers = [spy(monkeypatch, mod, "gather_kv") for mod in (paged_doors, flash)]
     others = [spy(monkeypatch, mod, "forward") for mod in (fused, tiled)]
     yield calls
     assert calls and not any(gathers) and not any(others)
@@ -169,12 +170,12 @@ def _paged_options(lens):
     from attnkit.spec import Options
 
     opts = Options.from_kwargs("paged_attention", {"causal": True, "diagonal": "bottom_right"},
-                               paged.TAKES)
+                               paged_doors.TAKES)
     return opts.merged(seqlens_kv=lens)
 
 
 def test_gradients_gather_the_pages_and_stay_right(monkeypatch):
-    gathers = spy(monkeypatch, paged, "gather_kv")
+    gathers = spy(monkeypatch, paged_doors, "gather_kv")  # (where the doors look it up)
     q, k, v, lens = _inputs(lq=40)
     kp, vp, table, lens32 = _to_pages(k, v, lens, 64)
     q.requires_grad_()
@@ -201,7 +202,7 @@ def test_a_non_finite_key_in_a_page_runs_the_next_executor_on_the_gathered_pages
 def test_varlen_over_pages_runs_a_long_chunk_in_place(monkeypatch):
     """Decoding rows (the decode executor) and a 150-row chunk (flash) in one call."""
     kernel = spy(monkeypatch, flash, "forward")
-    gathers = spy(monkeypatch, paged, "gather_kv")
+    gathers = spy(monkeypatch, paged_doors, "gather_kv")  # (where the doors look it up)
     g = torch.Generator().manual_seed(3)
     rows, used, page = [1, 150, 1], [300, 400, 77], 32
     hq, hkv, d = 4, 2, 32

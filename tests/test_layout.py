@@ -39,10 +39,31 @@ def test_old_paths_import_in_a_fresh_interpreter():
     """``import attnkit.spec`` and ``from attnkit.api import ...`` as the first import."""
     code = ("import attnkit.spec, attnkit.terms.spec as s; assert attnkit.spec is s\n"
             "from attnkit.api import attention\n"
-            "from attnkit.paged import PagedKVCache\n"
+            "from attnkit.paged import PagedKVCache, paged_attention, TAKES\n"
+            "import attnkit.doors.paged as d; assert paged_attention is d.paged_attention\n"
+            "assert TAKES is d.TAKES\n"
             "from attnkit.masks import causal\n"
             "import attnkit; assert attention is attnkit.attention\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_storage_and_terms_never_import_the_front_doors():
+    """The layers import downwards: doors -> kv, terms, engine. A module of attnkit.kv or
+    attnkit.terms imports nothing from attnkit.doors, at its top or inside a function, but
+    for kv.paged's module ``__getattr__`` that keeps 0.1's ``attnkit.paged.paged_attention``
+    (the doors' old home) working."""
+    import ast
+
+    for sub in ("kv", "terms"):
+        for path in sorted((PACKAGE / sub).glob("*.py")):
+            tree = ast.parse(path.read_text())
+            shim = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef)
+                    and f.name == "__getattr__" for n in ast.walk(f)}
+            for node in ast.walk(tree):
+                if id(node) in shim or not isinstance(node, ast.ImportFrom):
+                    continue
+                where = "." * node.level + (node.module or "")
+                assert "doors" not in where and "api" not in where, (path.name, where)
 
 
 def test_a_builtin_pickled_under_the_old_module_name_loads():

@@ -55,7 +55,7 @@ def varlen_over_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, cu_seqlens_q:
     """:func:`attnkit.varlen_attention` with ``block_table``: q ``(Tq, Hq, Dqk)`` packed,
     pages ``(num_pages, page_size, Hkv, D)``, ``block_table (S, max_pages)``, ``seqused_kv
     (S,)``; out ``(Tq, Hq, Dv)`` (and lse ``(Hq, Tq)``). Forward only."""
-    from ..kv.paged import paged_attention_blocks
+    from .paged import paged_attention_blocks
 
     options = {"causal": True, "diagonal": "bottom_right", **options}
     opts = Options.from_kwargs("varlen_attention", options, TAKES)

@@ -1,6 +1,7 @@
 """Key/value storage beyond one contiguous tensor.
 
-:mod:`.paged` (``PagedKVCache`` and the paged front doors), :mod:`.pages` (the block-table
+:mod:`.paged` (``PagedKVCache`` and the spec of a call over its pages; the front doors over
+it are :mod:`attnkit.doors.paged`), :mod:`.pages` (the block-table
 layout: validation and the gather) and :mod:`.merge` (merging partial attention states by their
 log-sum-exp: split-KV, cascade and ring attention).
 """
