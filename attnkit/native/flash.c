@@ -71,6 +71,9 @@
  * one operation and the limit where it is two (Zen 4: the matrix products ran at two thirds
  * of the multiply-add rate). */
 #define AK_HOLD4(a, b, c, e) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(e))
+#else
+/* the same for two 256-bit vectors (the AVX2 products' operands) */
+#define AK_HOLD2(a, b) __asm__("" : "+x"(a), "+x"(b))
 #endif
 
 #if defined(AK_FLASH_SIMD)
@@ -625,29 +628,25 @@ static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 
 }
 
 #else
-/* the same on 256-bit registers: two rows by 32 keys at a time, eight accumulators (sixteen
- * would spill) and the keys read as memory operands */
+/* the same on 256-bit registers: the four rows by 16 keys at a time, eight accumulators, the
+ * two key vectors in registers (a load and four broadcasts feed eight multiply-adds; with
+ * 32 keys by two rows, the keys read as memory operands twice, it was ten) */
 static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
-    for (int half = 0; half < 2; half++)
-        for (int r = 0; r < AK_FR; r += 2) {
-            __m256 acc[2][4];
-            for (int t = 0; t < 2; t++)
-                for (int u = 0; u < 4; u++) acc[t][u] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < d; c++) {
-                const float *kc = kt + c * AK_FN + 32 * half;
-                const __m256 q0 = _mm256_broadcast_ss(q + r * d + c);
-                const __m256 q1 = _mm256_broadcast_ss(q + (r + 1) * d + c);
-                for (int u = 0; u < 4; u++) {
-                    const __m256 kv = _mm256_loadu_ps(kc + 8 * u);
-                    acc[0][u] = _mm256_fmadd_ps(q0, kv, acc[0][u]);
-                    acc[1][u] = _mm256_fmadd_ps(q1, kv, acc[1][u]);
-                }
-            }
-            for (int t = 0; t < 2; t++) {
-                s[r + t][2 * half] = (__m512){acc[t][0], acc[t][1]};
-                s[r + t][2 * half + 1] = (__m512){acc[t][2], acc[t][3]};
+    for (int u = 0; u < 4; u++) {
+        __m256 acc[AK_FR][2];
+        for (int r = 0; r < AK_FR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c++) {
+            const float *kc = kt + c * AK_FN + 16 * u;
+            __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
+            AK_HOLD2(k0, k1);
+            for (int r = 0; r < AK_FR; r++) {
+                const __m256 qb = _mm256_broadcast_ss(q + r * d + c);
+                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
             }
         }
+        for (int r = 0; r < AK_FR; r++) s[r][u] = (__m512){acc[r][0], acc[r][1]};
+    }
 }
 #endif
 
@@ -688,42 +687,20 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
 }
 
 #else
-/* the same on 256-bit registers: two rows by 32 columns (or four rows by 16), eight
- * accumulators */
+/* the same on 256-bit registers: the four rows by 16 columns, eight accumulators, the two
+ * value vectors in registers (as ak_scores) */
 static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
                          const float *v, int64_t vstride, int64_t nk) {
-    int64_t c0 = 0;
-    for (; c0 + 32 <= dv; c0 += 32)
-        for (int r = 0; r < AK_FR; r += 2) {
-            __m256 acc[2][4];
-            for (int t = 0; t < 2; t++) {
-                const __m256 al = _mm256_set1_ps(alpha[r + t]);
-                for (int u = 0; u < 4; u++)
-                    acc[t][u] = _mm256_mul_ps(_mm256_loadu_ps(o + (r + t) * dv + c0 + 8 * u), al);
-            }
-            for (int64_t j = 0; j < nk; j++) {
-                const float *vr = v + j * vstride + c0;
-                const __m256 p0 = _mm256_broadcast_ss(p + r * AK_FN + j);
-                const __m256 p1 = _mm256_broadcast_ss(p + (r + 1) * AK_FN + j);
-                for (int u = 0; u < 4; u++) {
-                    const __m256 vv = _mm256_loadu_ps(vr + 8 * u);
-                    acc[0][u] = _mm256_fmadd_ps(p0, vv, acc[0][u]);
-                    acc[1][u] = _mm256_fmadd_ps(p1, vv, acc[1][u]);
-                }
-            }
-            for (int t = 0; t < 2; t++)
-                for (int u = 0; u < 4; u++)
-                    _mm256_storeu_ps(o + (r + t) * dv + c0 + 8 * u, acc[t][u]);
-        }
-    if (c0 < dv) { /* 16 columns left */
+    for (int64_t c0 = 0; c0 < dv; c0 += 16) {
         __m256 acc[AK_FR][2];
         for (int r = 0; r < AK_FR; r++)
             for (int u = 0; u < 2; u++)
                 acc[r][u] = _mm256_mul_ps(_mm256_loadu_ps(o + r * dv + c0 + 8 * u),
                                           _mm256_set1_ps(alpha[r]));
         for (int64_t j = 0; j < nk; j++) {
-            const __m256 v0 = _mm256_loadu_ps(v + j * vstride + c0);
-            const __m256 v1 = _mm256_loadu_ps(v + j * vstride + c0 + 8);
+            __m256 v0 = _mm256_loadu_ps(v + j * vstride + c0);
+            __m256 v1 = _mm256_loadu_ps(v + j * vstride + c0 + 8);
+            AK_HOLD2(v0, v1);
             for (int r = 0; r < AK_FR; r++) {
                 const __m256 pb = _mm256_broadcast_ss(p + r * AK_FN + j);
                 acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
@@ -1067,8 +1044,9 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
                 for (int u = 0; u < 2; u++)
                     t[jj][u] = _mm256_loadu_ps(acc + (j0 + jj) * cols + c0 + 8 * u);
             for (int64_t r = 0; r < R; r++) {
-                const __m256 y0 = _mm256_loadu_ps(y + r * cols + c0);
-                const __m256 y1 = _mm256_loadu_ps(y + r * cols + c0 + 8);
+                __m256 y0 = _mm256_loadu_ps(y + r * cols + c0);
+                __m256 y1 = _mm256_loadu_ps(y + r * cols + c0 + 8);
+                AK_HOLD2(y0, y1);
                 for (int jj = 0; jj < 4; jj++) {
                     const __m256 xb = _mm256_broadcast_ss(x + r * AK_FN + j0 + jj);
                     t[jj][0] = _mm256_fmadd_ps(xb, y0, t[jj][0]);
