@@ -230,10 +230,15 @@ AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t
  * that order too, and the sums put back in order at the end. */
 #define AK_EVEN_ODD(dtype) ((dtype) == AK_BF16)
 
+/* e4m3 bytes known to hold no NaN (e4m3_nan looked at them first): converted without the
+ * NaN step, two instructions of the ten that 16 bytes took (each cost about 5% of a decode
+ * call); a code of this file only, never a page dtype a caller passes */
+#define AK_E4M3_FINITE 5
+
 /* 16 fp8 bytes at p as the float16 patterns load16 makes of them, in order: each byte to the
  * high byte of its 16-bit lane (one 16-byte broadcast and a byte shuffle within each half),
  * then for e4m3 an arithmetic shift that puts the sign in bit 15 and the rest below it, and
- * the NaN bytes to a float16 NaN */
+ * the NaN bytes to a float16 NaN (AK_E4M3_FINITE: none there) */
 AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
     const __m256i b =
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
@@ -241,7 +246,37 @@ AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
                                           -1, 15);
     /* byte i << 8 in lane i */
-    return ak_fp8_high_to_half16(_mm256_shuffle_epi8(b, high), dtype);
+    const __m256i w = _mm256_shuffle_epi8(b, high);
+    if (dtype == AK_E4M3_FINITE)
+        return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF));
+    return ak_fp8_high_to_half16(w, dtype);
+}
+
+/* 1 where one of the n rows p + t * stride (`bytes` e4m3 bytes each, a multiple of 16) holds a
+ * NaN byte (0x7f, 0xff), else 0: the bytewise maximum of the bytes without their signs, two
+ * instructions for 32 bytes, and one compare at the end */
+AK_INLINE __m256i e4m3_look32(__m256i mx, const char *p) {
+    return _mm256_max_epu8(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)p),
+                                                _mm256_set1_epi8(0x7f)));
+}
+
+AK_INLINE int e4m3_nan(const char *p, int64_t stride, int64_t n, int64_t bytes) {
+    __m256i mx[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                     _mm256_setzero_si256()}; /* (four chains of maxima: one is a latency) */
+    for (int64_t t = 0; t < n; ++t) {
+        const char *r = p + t * stride;
+        int64_t o = 0;
+        for (; o + 128 <= bytes; o += 128)
+            for (int i = 0; i < 4; ++i) mx[i] = e4m3_look32(mx[i], r + o + 32 * i);
+        for (; o + 32 <= bytes; o += 32) mx[0] = e4m3_look32(mx[0], r + o);
+        if (o < bytes)
+            mx[1] = _mm256_max_epu8(
+                mx[1], _mm256_and_si256(_mm256_zextsi128_si256(
+                                            _mm_loadu_si128((const __m128i *)(const void *)(r + o))),
+                                        _mm256_set1_epi8(0x7f)));
+    }
+    const __m256i all = _mm256_max_epu8(_mm256_max_epu8(mx[0], mx[1]), _mm256_max_epu8(mx[2], mx[3]));
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(all, _mm256_set1_epi8(0x7f))) != 0;
 }
 
 /* 16 elements at p as two 8-lane vectors, the values load16 gives (bfloat16: AK_EVEN_ODD) */
@@ -368,6 +403,42 @@ AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float
     }
     hsum4n(sums, out, os);
 }
+
+#ifdef AK_AVX2
+/* score4 for two keys k0, k1 at once (AVX2, fp8 keys): each query block loaded once for both
+ * (score4 reloads the four rows' blocks for every key: nine loads to eight multiply-adds, at
+ * the load ports' limit), one sum a row and key over the row's blocks, and the eight sums
+ * reduced together (pairs of lanes, quarters, then halves): out[g * os + i] for key i */
+AK_INLINE void score4x2(const char *k0, const char *k1, int dtype, const float *q, int64_t D,
+                        float *out, int64_t os) {
+    __m256 a[4][2];
+    for (int g = 0; g < 4; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += AK_W) {
+        __m256 x[2][2];
+        load_w(k0 + d, dtype, (ak_vn *)(void *)x[0]);
+        load_w(k1 + d, dtype, (ak_vn *)(void *)x[1]);
+        for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < 2; ++j) {
+                __m256 qv = _mm256_loadu_ps(q + g * D + d + 8 * j);
+                __asm__("" : "+x"(qv)); /* (one load for both keys, not one folded into each) */
+                a[g][0] = _mm256_fmadd_ps(qv, x[0][j], a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(qv, x[1][j], a[g][1]);
+            }
+    }
+    /* row g's two sums in lanes 2g, 2g + 1 (rows 0, 1 low, 2, 3 high), halves then apart */
+    const __m256 r01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0][0], a[0][1]),
+                                      _mm256_hadd_ps(a[1][0], a[1][1]));
+    const __m256 r23 = _mm256_hadd_ps(_mm256_hadd_ps(a[2][0], a[2][1]),
+                                      _mm256_hadd_ps(a[3][0], a[3][1]));
+    const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(r01, r23, 0x20),
+                                   _mm256_permute2f128_ps(r01, r23, 0x31));
+    const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+    _mm_storel_pi((__m64 *)(void *)out, lo);
+    _mm_storeh_pi((__m64 *)(void *)(out + os), lo);
+    _mm_storel_pi((__m64 *)(void *)(out + 2 * os), hi);
+    _mm_storeh_pi((__m64 *)(void *)(out + 3 * os), hi);
+}
+#endif
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
     const int esz = AK_ESZ(dtype);
@@ -550,6 +621,14 @@ AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16
 
 static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
                     int64_t ps, int64_t Dv, int64_t rows, float *acc, const ak_ahead *pf) {
+#ifdef AK_AVX2
+    /* e4m3: the head's value rows (in L1 after this) looked at first, and converted without
+     * the NaN step where they hold no NaN byte */
+    if (dtype == AK_E4M3 && !e4m3_nan(v, vstride, n, Dv)) {
+        pv_head_t(v, vstride, n, AK_E4M3_FINITE, p, ps, Dv, rows, acc, pf);
+        return;
+    }
+#endif
     if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc, pf);
     else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc, pf);
     else if (dtype == AK_E4M3) pv_head_t(v, vstride, n, AK_E4M3, p, ps, Dv, rows, acc, pf);
@@ -1362,12 +1441,46 @@ static void mla_scores(const char *k, int64_t ks, int64_t kh, int64_t len, int d
 /* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
  * keys in memory order (a token's kv heads lie together in a page), each against every kv
  * head's groups (score4), the next chunk's rows asked for as they go */
+#ifdef AK_AVX2
+/* score_keys_t's work for fp8 keys t and t + 1 (score4x2) */
+AK_INLINE void score_key2_t(const char *k, int64_t ks, int64_t kh, int64_t t, int dtype,
+                            const ak_job *job, const float *qb, int64_t groups,
+                            int64_t rows_per_head, float *sc, const ak_ahead *next) {
+    const int64_t D = job->D;
+    for (int64_t h = 0; h < job->Hkv; ++h) {
+        const ak_ahead head = {next->row, h * kh, next->bytes};
+        ahead(&head, t);
+        ahead(&head, t + 1);
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = h * rows_per_head + 4 * g;
+            score4x2(k + h * kh, k + ks + h * kh, dtype, qb + r * D, D, sc + r * AK_CHUNK + t,
+                     AK_CHUNK);
+        }
+    }
+}
+#endif
+
 AK_INLINE void score_keys_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
                             const ak_job *job, const float *qb, int64_t groups,
                             int64_t rows_per_head, float *sc, const ak_ahead *next) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = job->D;
-    for (int64_t t = 0; t < len; ++t)
+    int64_t t = 0;
+#ifdef AK_AVX2
+    /* fp8: two keys at a time (score4x2); e4m3 without the NaN step where the two tokens'
+     * rows (every kv head's, in L1 after this) hold no NaN byte */
+    if (dtype >= AK_E4M3)
+        for (; t + 2 <= len; t += 2) {
+            const char *kt = k + t * ks;
+            if (dtype == AK_E4M3 && !e4m3_nan(kt, kh, job->Hkv, job->D)
+                && !e4m3_nan(kt + ks, kh, job->Hkv, job->D))
+                score_key2_t(kt, ks, kh, t, AK_E4M3_FINITE, job, qb, groups, rows_per_head, sc,
+                             next);
+            else
+                score_key2_t(kt, ks, kh, t, dtype, job, qb, groups, rows_per_head, sc, next);
+        }
+#endif
+    for (; t < len; ++t)
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const ak_ahead head = {next->row, h * kh * esz, next->bytes};
             ahead(&head, t);
