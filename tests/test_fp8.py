@@ -746,6 +746,56 @@ def test_fp8_table_gives_every_byte_its_value(dtype):
     assert out.isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_fp8_special_byte_in_every_position_of_the_rows(dtype, tensor):
+    """A NaN byte (in e5m2 values also an infinity) at every position of a 128-byte row, in
+    the first and second key of a pair and in an odd last key: the kernel converts 16 bytes
+    at a time and (AVX2, e4m3) looks for NaN 32 bytes at a time before converting without the
+    NaN step, so each position goes through its own lanes. The kv head that holds it gets
+    what the dequantized value gives (a key's NaN: its rows NaN; a value's: NaN or the
+    infinity in that dim), and every other result keeps the clean call's bits."""
+    from attnkit import native
+
+    if not native.available():
+        pytest.skip(native.unavailable_reason())
+    g, lens, k8, v8, kd, vd, bt = _e4m3_case(8, 2, 128, 128, 16, [21], 31)
+    if dtype == E5M2:
+        k8, v8 = k8.float().to(E5M2), v8.float().to(E5M2)
+    q = torch.randn(1, 8, 1, 128, generator=g).bfloat16()
+    kw = dict(scale=0.05, k_descale=kd, v_descale=vd)
+    clean, _ = native.paged_decode(q, k8, v8, bt, lens, **kw)
+    assert not clean.isnan().any()
+    specials = [0x7F, 0xFF] + ([0x7E] if dtype == E5M2 else [])
+    if dtype == E5M2 and tensor == "v":
+        specials += [0x7C, 0xFC]  # (+-inf: in a key, an infinite score of either sign)
+    tokens = [0, 1, 10, 19, 20]  # (pairs (0, 1), (10, 11), (18, 19); 20 the odd last key)
+    for pos in range(128):
+        byte, token, head = specials[pos % len(specials)], tokens[pos % 5], pos % 2
+        page, slot = bt[0, token // 16], token % 16
+        k_x, v_x = k8.clone(), v8.clone()
+        x = k_x if tensor == "k" else v_x
+        x.view(torch.uint8)[page, slot, head, pos] = byte
+        out, _ = native.paged_decode(q, k_x, v_x, bt, lens, **kw)
+        rows = slice(4 * head, 4 * head + 4)
+        mine = torch.zeros_like(out, dtype=torch.bool)
+        if tensor == "k":
+            mine[0, rows] = True
+            assert out[mine].isnan().all(), (pos, byte, token)
+        else:
+            mine[0, rows, :, pos] = True
+            want = torch.tensor([byte], dtype=torch.uint8).view(dtype).float()
+            got = out[mine]
+            if want.isnan().all():
+                assert got.isnan().all(), (pos, byte, token)
+            else:
+                assert torch.equal(got, want.expand_as(got)), (pos, byte, token, got)
+            mine[0, rows] = True  # (the head's other dims: its sums took the same path)
+            assert torch.allclose(out[mine & ~out.isinf() & ~out.isnan()],
+                                  clean[mine & ~out.isinf() & ~out.isnan()], rtol=0, atol=1e-6)
+        assert torch.equal(out[~mine], clean[~mine]), (pos, byte, token)
+
+
 # ---- e4m3 pages in float16 arithmetic (AVX512-FP16, bfloat16 queries) --------------------
 
 

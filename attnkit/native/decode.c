@@ -230,10 +230,15 @@ AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t
  * that order too, and the sums put back in order at the end. */
 #define AK_EVEN_ODD(dtype) ((dtype) == AK_BF16)
 
+/* e4m3 bytes known to hold no NaN (e4m3_nan looked at them first): converted without the
+ * NaN step, two instructions of the ten that 16 bytes took (each cost about 5% of a decode
+ * call); a code of this file only, never a page dtype a caller passes */
+#define AK_E4M3_FINITE 5
+
 /* 16 fp8 bytes at p as the float16 patterns load16 makes of them, in order: each byte to the
  * high byte of its 16-bit lane (one 16-byte broadcast and a byte shuffle within each half),
  * then for e4m3 an arithmetic shift that puts the sign in bit 15 and the rest below it, and
- * the NaN bytes to a float16 NaN */
+ * the NaN bytes to a float16 NaN (AK_E4M3_FINITE: none there) */
 AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
     const __m256i b =
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
@@ -241,7 +246,37 @@ AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
                                           -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
                                           -1, 15);
     /* byte i << 8 in lane i */
-    return ak_fp8_high_to_half16(_mm256_shuffle_epi8(b, high), dtype);
+    const __m256i w = _mm256_shuffle_epi8(b, high);
+    if (dtype == AK_E4M3_FINITE)
+        return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF));
+    return ak_fp8_high_to_half16(w, dtype);
+}
+
+/* 1 where one of the n rows p + t * stride (`bytes` e4m3 bytes each, a multiple of 16) holds a
+ * NaN byte (0x7f, 0xff), else 0: the bytewise maximum of the bytes without their signs, two
+ * instructions for 32 bytes, and one compare at the end */
+AK_INLINE __m256i e4m3_look32(__m256i mx, const char *p) {
+    return _mm256_max_epu8(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)p),
+                                                _mm256_set1_epi8(0x7f)));
+}
+
+AK_INLINE int e4m3_nan(const char *p, int64_t stride, int64_t n, int64_t bytes) {
+    __m256i mx[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                     _mm256_setzero_si256()}; /* (four chains of maxima: one is a latency) */
+    for (int64_t t = 0; t < n; ++t) {
+        const char *r = p + t * stride;
+        int64_t o = 0;
+        for (; o + 128 <= bytes; o += 128)
+            for (int i = 0; i < 4; ++i) mx[i] = e4m3_look32(mx[i], r + o + 32 * i);
+        for (; o + 32 <= bytes; o += 32) mx[0] = e4m3_look32(mx[0], r + o);
+        if (o < bytes)
+            mx[1] = _mm256_max_epu8(
+                mx[1], _mm256_and_si256(_mm256_zextsi128_si256(
+                                            _mm_loadu_si128((const __m128i *)(const void *)(r + o))),
+                                        _mm256_set1_epi8(0x7f)));
+    }
+    const __m256i all = _mm256_max_epu8(_mm256_max_epu8(mx[0], mx[1]), _mm256_max_epu8(mx[2], mx[3]));
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(all, _mm256_set1_epi8(0x7f))) != 0;
 }
 
 /* 16 elements at p as two 8-lane vectors, the values load16 gives (bfloat16: AK_EVEN_ODD) */
@@ -368,6 +403,42 @@ AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float
     }
     hsum4n(sums, out, os);
 }
+
+#ifdef AK_AVX2
+/* score4 for two keys k0, k1 at once (AVX2, fp8 keys): each query block loaded once for both
+ * (score4 reloads the four rows' blocks for every key: nine loads to eight multiply-adds, at
+ * the load ports' limit), one sum a row and key over the row's blocks, and the eight sums
+ * reduced together (pairs of lanes, quarters, then halves): out[g * os + i] for key i */
+AK_INLINE void score4x2(const char *k0, const char *k1, int dtype, const float *q, int64_t D,
+                        float *out, int64_t os) {
+    __m256 a[4][2];
+    for (int g = 0; g < 4; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += AK_W) {
+        __m256 x[2][2];
+        load_w(k0 + d, dtype, (ak_vn *)(void *)x[0]);
+        load_w(k1 + d, dtype, (ak_vn *)(void *)x[1]);
+        for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < 2; ++j) {
+                __m256 qv = _mm256_loadu_ps(q + g * D + d + 8 * j);
+                __asm__("" : "+x"(qv)); /* (one load for both keys, not one folded into each) */
+                a[g][0] = _mm256_fmadd_ps(qv, x[0][j], a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(qv, x[1][j], a[g][1]);
+            }
+    }
+    /* row g's two sums in lanes 2g, 2g + 1 (rows 0, 1 low, 2, 3 high), halves then apart */
+    const __m256 r01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0][0], a[0][1]),
+                                      _mm256_hadd_ps(a[1][0], a[1][1]));
+    const __m256 r23 = _mm256_hadd_ps(_mm256_hadd_ps(a[2][0], a[2][1]),
+                                      _mm256_hadd_ps(a[3][0], a[3][1]));
+    const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(r01, r23, 0x20),
+                                   _mm256_permute2f128_ps(r01, r23, 0x31));
+    const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+    _mm_storel_pi((__m64 *)(void *)out, lo);
+    _mm_storeh_pi((__m64 *)(void *)(out + os), lo);
+    _mm_storel_pi((__m64 *)(void *)(out + 2 * os), hi);
+    _mm_storeh_pi((__m64 *)(void *)(out + 3 * os), hi);
+}
+#endif
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
     const int esz = AK_ESZ(dtype);
@@ -550,6 +621,14 @@ AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16
 
 static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
                     int64_t ps, int64_t Dv, int64_t rows, float *acc, const ak_ahead *pf) {
+#ifdef AK_AVX2
+    /* e4m3: the head's value rows (in L1 after this) looked at first, and converted without
+     * the NaN step where they hold no NaN byte */
+    if (dtype == AK_E4M3 && !e4m3_nan(v, vstride, n, Dv)) {
+        pv_head_t(v, vstride, n, AK_E4M3_FINITE, p, ps, Dv, rows, acc, pf);
+        return;
+    }
+#endif
     if (dtype == AK_BF16) pv_head_t(v, vstride, n, AK_BF16, p, ps, Dv, rows, acc, pf);
     else if (dtype == AK_F16) pv_head_t(v, vstride, n, AK_F16, p, ps, Dv, rows, acc, pf);
     else if (dtype == AK_E4M3) pv_head_t(v, vstride, n, AK_E4M3, p, ps, Dv, rows, acc, pf);
@@ -1362,12 +1441,46 @@ static void mla_scores(const char *k, int64_t ks, int64_t kh, int64_t len, int d
 /* score_tokens_t's groups of 4 rows in float32 where their queries do not fit in registers:
  * keys in memory order (a token's kv heads lie together in a page), each against every kv
  * head's groups (score4), the next chunk's rows asked for as they go */
+#ifdef AK_AVX2
+/* score_keys_t's work for fp8 keys t and t + 1 (score4x2) */
+AK_INLINE void score_key2_t(const char *k, int64_t ks, int64_t kh, int64_t t, int dtype,
+                            const ak_job *job, const float *qb, int64_t groups,
+                            int64_t rows_per_head, float *sc, const ak_ahead *next) {
+    const int64_t D = job->D;
+    for (int64_t h = 0; h < job->Hkv; ++h) {
+        const ak_ahead head = {next->row, h * kh, next->bytes};
+        ahead(&head, t);
+        ahead(&head, t + 1);
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = h * rows_per_head + 4 * g;
+            score4x2(k + h * kh, k + ks + h * kh, dtype, qb + r * D, D, sc + r * AK_CHUNK + t,
+                     AK_CHUNK);
+        }
+    }
+}
+#endif
+
 AK_INLINE void score_keys_t(const char *k, int64_t ks, int64_t kh, int64_t len, int dtype,
                             const ak_job *job, const float *qb, int64_t groups,
                             int64_t rows_per_head, float *sc, const ak_ahead *next) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = job->D;
-    for (int64_t t = 0; t < len; ++t)
+    int64_t t = 0;
+#ifdef AK_AVX2
+    /* fp8: two keys at a time (score4x2); e4m3 without the NaN step where the two tokens'
+     * rows (every kv head's, in L1 after this) hold no NaN byte */
+    if (dtype >= AK_E4M3)
+        for (; t + 2 <= len; t += 2) {
+            const char *kt = k + t * ks;
+            if (dtype == AK_E4M3 && !e4m3_nan(kt, kh, job->Hkv, job->D)
+                && !e4m3_nan(kt + ks, kh, job->Hkv, job->D))
+                score_key2_t(kt, ks, kh, t, AK_E4M3_FINITE, job, qb, groups, rows_per_head, sc,
+                             next);
+            else
+                score_key2_t(kt, ks, kh, t, dtype, job, qb, groups, rows_per_head, sc, next);
+        }
+#endif
+    for (; t < len; ++t)
         for (int64_t h = 0; h < job->Hkv; ++h) {
             const ak_ahead head = {next->row, h * kh * esz, next->bytes};
             ahead(&head, t);
@@ -1564,35 +1677,36 @@ static void sums_out(float *dst, const float *sums, int64_t n, float f, int eo) 
         for (int i = 0; i < AK_W; ++i) dst[d + i] = sums[d + (eo ? i % 2 * 8 + i / 2 : i)] * f;
 }
 
-static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
-    const int64_t S = job->splits, Hq = job->Hq, Hkv = job->Hkv, Lq = job->Lq;
-    const int64_t D = job->D, Dv = job->Dv, R = Hq * Lq;
-    const int64_t rows_per_head = (Hq / Hkv) * Lq; /* kv head h: rows [h, h + 1) * this */
-    const int64_t s = task % S, b = task / S;
-    const int64_t L = job->seqlens[b], base = job->starts ? job->starts[b] : 0;
-    const int dtype = job->dtype, esz = AK_ESZ(dtype);
-    /* fp8: what a converted element is worth before the page's descale (e4m3: 2^8) */
-    const float unit = dtype == AK_E4M3 ? 256.0f : 1.0f;
-    float *acc = w->acc, *sc = w->sc, *m = w->m, *l = w->l, *slope = w->slope, *cmx = w->cmx;
-    int64_t *lo = w->lo, *hi = w->hi, *ipos = w->ipos;
-    /* this sequence's query rows (row r = hq * Lq + i), in float32 times the scale, and as
-     * given in bfloat16 for the dot products (exact products, the scale after) */
-    float *qb = w->q;
-    uint16_t *qhb = job->bf16_dot ? w->qh : NULL;
+/* What the steps of one work item share: its sequence b and key split s, its rows (row r =
+ * hq * Lq + i; kv head h: rows [h, h + 1) * rows_per_head), the query rows in float32 times the
+ * scale (qb) and as given in bfloat16 for the dot products (qhb: exact products, the scale
+ * after; NULL without them), and which arithmetic its pages take */
+typedef struct {
+    const ak_job *job;
+    ak_scratch *w;
+    int64_t s, b, L, base, R, rows_per_head;
+    float unit; /* fp8: what a converted element is worth before the page's descale (e4m3: 2^8) */
+    float *qb;
+    uint16_t *qhb;
+    const ak_q16 *q16; /* the rows for the float16 scores (AK_H16), else NULL */
+    int h16;           /* e4m3 pages in float16 arithmetic (AK_H16) */
+    int mla_sc;        /* the score tiles (mla_scores) */
 #ifdef AK_FP8DOT
-    /* fp8 pages by table (keys into the dot products, values to float32; Dv % 32 == 0) */
-    const int fp8dot = job->bf16_dot && dtype >= AK_E4M3 && Dv % 32 == 0;
-    ak_tab T;
-    if (fp8dot) T = fp8_tab(job);
+    int fp8dot;        /* fp8 pages by table (keys into the dot products, values to float32) */
+    const ak_tab *T;
 #endif
-    query_rows(job, b, qb, qhb);
+} ak_task;
 
 #ifdef AK_H16
-    /* e4m3 pages in float16 arithmetic where everything fits (AK_H16): the rows scaled by a
-     * power of two to a largest element in [0.5, 1); rows with a non-finite or out-of-range
-     * element leave this sequence to the exact paths */
-    int h16 = job->h16 && rows_per_head % 4 == 0 && D >= 32 && D <= 128 && Dv % 32 == 0;
-    for (int64_t r = 0; h16 && r < R; ++r) {
+/* e4m3 pages in float16 arithmetic where everything fits (AK_H16): the query rows scaled by a
+ * power of two to a largest element in [0.5, 1) into w->q16 (the powers in w->qf); 0 where the
+ * shapes do not qualify or a row has a non-finite or out-of-range element (this sequence then
+ * takes the exact paths), else 1 */
+static int task_q16(const ak_job *job, ak_scratch *w, const float *qb, int64_t rows_per_head) {
+    const int64_t D = job->D, R = job->Hq * job->Lq;
+    if (!(job->h16 && rows_per_head % 4 == 0 && D >= 32 && D <= 128 && job->Dv % 32 == 0))
+        return 0;
+    for (int64_t r = 0; r < R; ++r) {
         const float *x = qb + r * D;
         __m512 mxv = _mm512_setzero_ps();
         __mmask16 bad = 0;
@@ -1603,220 +1717,295 @@ static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
         }
         int e = 0;
         frexpf(_mm512_reduce_max_ps(mxv), &e); /* max = m * 2^e, m in [0.5, 1) (0: e = 0) */
-        if (bad || e > 100 || e < -100) {
-            h16 = 0;
-            break;
-        }
+        if (bad || e > 100 || e < -100) return 0;
         const __m512 down = _mm512_set1_ps(ldexpf(1.0f, -e));
         w->qf[r] = ldexpf(1.0f, e);
         for (int64_t d = 0; d < D; d += 16)
             _mm256_storeu_ph(w->q16 + r * D + d,
                              _mm512_cvtxps_ph(_mm512_mul_ps(_mm512_loadu_ps(x + d), down)));
     }
-    const ak_q16 q16v = {w->q16, w->qf}, *q16 = h16 ? &q16v : NULL;
-#else
-    const int h16 = 0;
-    const ak_q16 *q16 = NULL;
-#endif
-#if AK_N == 16
-    /* the score tiles (see mla_scores) where the head dim is past what the general loops keep
-     * in registers (D > 128), shared rows or not: the same sums, in less time */
-    const int mla_sc = !h16 && D > 128;
+    return 1;
+}
 #endif
 
+/* Every row's visible keys [lo, hi) and aligned position ipos, ALiBi slope, softmax state
+ * (m = -inf, l = 0) and sums (0); returns the union of the visible ranges in [*klo, *khi) */
+AK_INLINE void task_rows(const ak_task *tk, int64_t *klo, int64_t *khi) {
+    const ak_job *job = tk->job;
+    ak_scratch *w = tk->w;
+    const int64_t Lq = job->Lq, L = tk->L;
     /* causal: j <= i', i.e. a right bound of at most 0 */
     const int has_right = job->has_right || job->causal;
     const int64_t right = job->causal && (!job->has_right || job->right > 0) ? 0 : job->right;
-    int64_t klo = L, khi = 0; /* union of the rows' visible key ranges */
-    for (int64_t r = 0; r < R; ++r) {
+    *klo = L;
+    *khi = 0;
+    for (int64_t r = 0; r < tk->R; ++r) {
         const int64_t hq = r / Lq, i = r % Lq;
-        ipos[r] = job->bottom_right ? i + L - Lq : i;
+        w->ipos[r] = job->bottom_right ? i + L - Lq : i;
         int64_t a, e; /* visible keys: [a, e) */
-        visible_range(ipos[r], L, job->has_left, job->left, has_right, right, &a, &e);
-        lo[r] = a;
-        hi[r] = e;
-        if (a < e && a < klo) klo = a;
-        if (a < e && e > khi) khi = e;
-        slope[r] = job->alibi ? job->alibi[b * Hq + hq] : 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        visible_range(w->ipos[r], L, job->has_left, job->left, has_right, right, &a, &e);
+        w->lo[r] = a;
+        w->hi[r] = e;
+        if (a < e && a < *klo) *klo = a;
+        if (a < e && e > *khi) *khi = e;
+        w->slope[r] = job->alibi ? job->alibi[tk->b * job->Hq + hq] : 0.0f;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
     }
-    memset(acc, 0, (size_t)(R * Dv) * sizeof(float));
+    memset(w->acc, 0, (size_t)(tk->R * job->Dv) * sizeof(float));
+}
 
-    /* this split's keys, clipped to what any row sees */
-    int64_t k0 = s * job->keys_per_split, k1 = k0 + job->keys_per_split;
-    if (k0 < klo) k0 = klo;
-    if (k1 > khi) k1 = khi;
-    const float cap = job->softcap;
-
-    ak_seg seg[AK_CHUNK];
-    for (int64_t c0 = k0; c0 < k1;) {
-        const int64_t c1 = c0 + AK_CHUNK < k1 ? c0 + AK_CHUNK : k1, n = c1 - c0;
-        const int64_t nseg = chunk_segments(job, b, base, c0, c1, seg);
-        const int64_t nw = (n + AK_W - 1) / AK_W * AK_W; /* score lanes in use */
-        const char *nk[AK_CHUNK], *nv[AK_CHUNK]; /* the next chunk's rows, asked for ahead */
-        next_rows(job, b, base, c1, c1 + AK_CHUNK < k1 ? c1 + AK_CHUNK : k1, nk, nv);
-        /* scores, token by token in memory order, one page segment at a time */
-        for (int64_t g = 0; g < nseg; ++g) {
-            const char *kbase = job->kp + (seg[g].page * job->ks_page
-                                           + seg[g].first * job->ks_tok) * esz;
-            const ak_ahead next = {nk + seg[g].t, 0, D * esz};
+/* The scores of a chunk's keys (its nseg page segments) for every row, into sc, token by token
+ * in memory order, one page segment at a time (fp8 keys: times the page's descale per kv head);
+ * nk: the next chunk's key rows, asked for ahead */
+AK_INLINE void chunk_scores(const ak_task *tk, const ak_seg *seg, int64_t nseg,
+                            const char *const *nk) {
+    const ak_job *job = tk->job;
+    const int dtype = job->dtype, esz = AK_ESZ(dtype);
+    float *sc = tk->w->sc;
+    for (int64_t g = 0; g < nseg; ++g) {
+        const char *kbase = job->kp + (seg[g].page * job->ks_page
+                                       + seg[g].first * job->ks_tok) * esz;
+        const ak_ahead next = {nk + seg[g].t, 0, job->D * esz};
 #if AK_N == 16
-            if (mla_sc)
-                mla_scores(kbase, job->ks_tok, job->ks_head, seg[g].len, dtype, job, qb, qhb,
-                           rows_per_head, sc + seg[g].t, &next);
-            else
+        if (tk->mla_sc)
+            mla_scores(kbase, job->ks_tok, job->ks_head, seg[g].len, dtype, job, tk->qb,
+                       tk->qhb, tk->rows_per_head, sc + seg[g].t, &next);
+        else
 #endif
-                score_tokens(kbase, seg[g].len, job, qb, qhb, q16, rows_per_head,
-                             sc + seg[g].t, &next);
-            if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
-                scale_rows(sc, job->kd + seg[g].page * Hkv, unit, Hkv, rows_per_head,
-                           seg[g].t, seg[g].t + seg[g].len);
+            score_tokens(kbase, seg[g].len, job, tk->qb, tk->qhb, tk->q16, tk->rows_per_head,
+                         sc + seg[g].t, &next);
+        if (job->kd) /* fp8 keys: the page's descale per kv head, on the scores */
+            scale_rows(sc, job->kd + seg[g].page * job->Hkv, tk->unit, job->Hkv,
+                       tk->rows_per_head, seg[g].t, seg[g].t + seg[g].len);
+    }
+}
+
+/* The online softmax over chunk [c0, c1) (nw score lanes in use; lanes past the chunk are
+ * masked like invisible keys): first every row's score terms, visibility and chunk maximum
+ * (cmx; no row waits on another's), then the updates that depend on them. sc becomes the
+ * weights (0 where a row is NaN), m and l move on, the sums are rescaled. */
+AK_INLINE void chunk_softmax(const ak_task *tk, int64_t c0, int64_t c1, int64_t nw) {
+    const ak_job *job = tk->job;
+    ak_scratch *w = tk->w;
+    const int64_t R = tk->R, Dv = job->Dv, n = c1 - c0;
+    float *sc = w->sc, *m = w->m, *l = w->l, *cmx = w->cmx;
+    for (int64_t r = 0; r < R; ++r) {
+        if (isnan(m[r])) continue; /* (the row is NaN: below) */
+        /* visible t: [a, e) within the chunk */
+        const float a = (float)(w->lo[r] - c0), e = (float)(w->hi[r] < c1 ? w->hi[r] - c0 : n);
+        cmx[r] = row_terms(sc + r * AK_CHUNK, nw, a, e, (float)(w->ipos[r] - c0), w->slope[r],
+                           job->softcap, job->alibi != NULL);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        float *sr = sc + r * AK_CHUNK;
+        if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
+            memset(sr, 0, (size_t)nw * sizeof(float));
+            continue;
         }
-        /* score terms, visibility, online softmax; a vector (AK_N lanes) at a time over the
-         * chunk's lanes (lanes past n are masked like invisible keys) */
-        /* first every row's terms, visibility and chunk maximum (cmx; no row waits on
-         * another's), then the softmax updates that depend on them */
-        for (int64_t r = 0; r < R; ++r) {
-            if (isnan(m[r])) continue; /* (the row is NaN: below) */
-            /* visible t: [a, e) within the chunk */
-            const float a = (float)(lo[r] - c0), e = (float)(hi[r] < c1 ? hi[r] - c0 : n);
-            cmx[r] = row_terms(sc + r * AK_CHUNK, nw, a, e, (float)(ipos[r] - c0), slope[r],
-                               cap, job->alibi != NULL);
+        const float mx = cmx[r];
+        if (mx == -INFINITY) { /* nothing visible (or only -inf, NaN) in this chunk */
+            int nan = 0;
+            for (int64_t t = 0; t < nw; ++t) nan |= isnan(sr[t]);
+            if (nan) m[r] = NAN; /* the row is NaN from now on */
+            memset(sr, 0, (size_t)nw * sizeof(float));
+            continue;
         }
-        for (int64_t r = 0; r < R; ++r) {
-            float *sr = sc + r * AK_CHUNK;
-            if (isnan(m[r])) { /* a NaN or +inf score seen already: the row is NaN */
-                memset(sr, 0, (size_t)nw * sizeof(float));
-                continue;
-            }
-            const float mx = cmx[r];
-            if (mx == -INFINITY) { /* nothing visible (or only -inf, NaN) in this chunk */
-                int nan = 0;
-                for (int64_t t = 0; t < nw; ++t) nan |= isnan(sr[t]);
-                if (nan) m[r] = NAN; /* the row is NaN from now on */
-                memset(sr, 0, (size_t)nw * sizeof(float));
-                continue;
-            }
-            const float mnew = mx > m[r] ? mx : m[r];
-            const float alpha = exp_nonpos1(m[r] - mnew);
-            const float sum = row_weights(sr, nw, mnew);
-            if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
-                m[r] = NAN;
-                memset(sr, 0, (size_t)nw * sizeof(float));
-                continue;
-            }
-            if (alpha != 1.0f) {
-                float *ar = acc + r * Dv;
-                for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
-            }
-            l[r] = l[r] * alpha + sum;
-            m[r] = mnew;
+        const float mnew = mx > m[r] ? mx : m[r];
+        const float alpha = exp_nonpos1(m[r] - mnew);
+        const float sum = row_weights(sr, nw, mnew);
+        if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
+            m[r] = NAN;
+            memset(sr, 0, (size_t)nw * sizeof(float));
+            continue;
         }
-        /* P V, one page segment and kv head at a time; all the head's rows together where
-         * they all see the whole chunk (always when decoding one row), else each row over
-         * what it sees. fp8 values: the page's descale goes on the weights (the sums l are
-         * already taken) */
-        for (int64_t g = 0; g < nseg; ++g) {
-            const int64_t st = seg[g].t, len = seg[g].len, se = st + len;
-            if (job->vd && !h16)
-                scale_rows(sc, job->vd + seg[g].page * Hkv, unit, Hkv, rows_per_head, st, se);
-            const char *vbase = job->vp + (seg[g].page * job->vs_page
-                                           + seg[g].first * job->vs_tok) * esz;
-            for (int64_t h = 0; h < Hkv; ++h) {
-                const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
-                const char *vh = vbase + h * job->vs_head * esz;
-                /* the next chunk's value rows asked for ahead, unless they are key rows
-                 * (shared: the scores ask for those) */
-                const ak_ahead next_v = {nv + st, h * job->vs_head * esz, Dv * esz};
-                const ak_ahead *next = job->shared ? NULL : &next_v;
-                int whole = 1;
-                for (int64_t r = r0; r < r1; ++r) whole &= lo[r] <= c0 && hi[r] >= c1;
+        if (alpha != 1.0f) {
+            float *ar = w->acc + r * Dv;
+            for (int64_t d = 0; d < Dv; ++d) ar[d] *= alpha;
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = mnew;
+    }
+}
+
+/* P V of kv head h's rows over one page segment (seg; vh its value rows, chunk [c0, c1)): all
+ * the head's rows together where they all see the whole chunk (always when decoding one row),
+ * else each row over what it sees; next: the next chunk's value rows, asked for ahead (NULL:
+ * none) */
+AK_INLINE void head_pv(const ak_task *tk, const ak_seg *seg, int64_t h, const char *vh,
+                       int64_t c0, int64_t c1, const ak_ahead *next) {
+    const ak_job *job = tk->job;
+    ak_scratch *w = tk->w;
+    const int dtype = job->dtype, esz = AK_ESZ(dtype);
+    const int64_t Dv = job->Dv, rows_per_head = tk->rows_per_head;
+    const int64_t st = seg->t, len = seg->len, se = st + len;
+    const int64_t r0 = h * rows_per_head, r1 = r0 + rows_per_head;
+    float *sc = w->sc, *acc = w->acc;
+    int whole = 1;
+    for (int64_t r = r0; r < r1; ++r) whole &= w->lo[r] <= c0 && w->hi[r] >= c1;
 #ifdef AK_H16
-                if (h16) { /* float16 weights, the page's descale on their sums */
-                    const float f = unit * job->vd[seg[g].page * Hkv + h];
-                    const uint8_t *v8 = (const uint8_t *)vh;
-                    if (whole) {
-                        for (int64_t r = r0; r < r1; ++r)
-                            to_h16x2(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
-                        /* the first group looks at the value rows: a NaN byte there returns
-                         * before any row's sums have moved */
-                        int nan = pv_h16(v8, job->vs_tok, len, w->p16, AK_CHUNK, Dv, f,
-                                         acc + r0 * Dv, next, 1);
-                        for (int64_t r = r0 + 4; r < r1 && !nan; r += 4)
-                            pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK,
-                                   AK_CHUNK, Dv, f, acc + r * Dv, NULL, 0);
-                        if (!nan) continue;
-                    }
-                    /* (the exact paths take float32 weights with the descale on them) */
-                    scale_rows(sc + r0 * AK_CHUNK, job->vd + seg[g].page * Hkv + h, unit, 1,
-                               rows_per_head, st, se);
-                }
+    if (tk->h16) { /* float16 weights, the page's descale on their sums */
+        const float f = tk->unit * job->vd[seg->page * job->Hkv + h];
+        const uint8_t *v8 = (const uint8_t *)vh;
+        if (whole) {
+            for (int64_t r = r0; r < r1; ++r)
+                to_h16x2(sc + r * AK_CHUNK + st, len, w->p16 + (r - r0) * AK_CHUNK);
+            /* the first group looks at the value rows: a NaN byte there returns before any
+             * row's sums have moved */
+            int nan = pv_h16(v8, job->vs_tok, len, w->p16, AK_CHUNK, Dv, f, acc + r0 * Dv, next,
+                             1);
+            for (int64_t r = r0 + 4; r < r1 && !nan; r += 4)
+                pv_h16(v8, job->vs_tok, len, w->p16 + (r - r0) * AK_CHUNK, AK_CHUNK, Dv, f,
+                       acc + r * Dv, NULL, 0);
+            if (!nan) return;
+        }
+        /* (the exact paths take float32 weights with the descale on them) */
+        scale_rows(sc + r0 * AK_CHUNK, job->vd + seg->page * job->Hkv + h, tk->unit, 1,
+                   rows_per_head, st, se);
+    }
 #endif
 #ifdef AK_FP8DOT
-                if (whole && fp8dot) { /* fp8 values by table */
-                    const uint8_t *v8 = (const uint8_t *)vh;
-                    const float *pr = sc + r0 * AK_CHUNK + st;
-                    int64_t r = r0;
-                    for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
-                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 4, acc + r * Dv,
-                               r == r0 ? next : NULL);
-                    for (; r < r1; ++r, pr += AK_CHUNK)
-                        pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, &T, 1, acc + r * Dv,
-                               r == r0 ? next : NULL);
-                    continue;
-                }
+    if (whole && tk->fp8dot) { /* fp8 values by table */
+        const uint8_t *v8 = (const uint8_t *)vh;
+        const float *pr = sc + r0 * AK_CHUNK + st;
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
+            pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, tk->T, 4, acc + r * Dv,
+                   r == r0 ? next : NULL);
+        for (; r < r1; ++r, pr += AK_CHUNK)
+            pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, tk->T, 1, acc + r * Dv,
+                   r == r0 ? next : NULL);
+        return;
+    }
 #endif
 #ifdef AK_DPBF16
-                if (job->bf16_pv) { /* P V in vdpbf16ps (bfloat16 pages) */
-                    if (whole) {
-                        pv_head_dp(vh, job->vs_tok * esz, len, sc + r0 * AK_CHUNK + st,
-                                   AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
-                        continue;
-                    }
-                    ahead_all(next, len);
-                    for (int64_t r = r0; r < r1; ++r) {
-                        int64_t t0, t1;
-                        row_span(lo[r], hi[r], c0, c1, st, se, &t0, &t1);
-                        if (t1 > t0)
-                            pv_dp_rows(vh + (t0 - st) * job->vs_tok * esz, job->vs_tok * esz,
-                                       t1 - t0, sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv,
-                                       NULL);
-                    }
-                    continue;
-                }
-#endif
-                if (whole) {
-                    pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st,
-                            AK_CHUNK, Dv, rows_per_head, acc + r0 * Dv, next);
-                    continue;
-                }
-                ahead_all(next, len);
-                for (int64_t r = r0; r < r1; ++r) {
-                    int64_t t0, t1;
-                    row_span(lo[r], hi[r], c0, c1, st, se, &t0, &t1);
-                    pv_row_range(vh, job->vs_tok * esz, t0 - st, t1 - st, dtype,
-                                 sc + r * AK_CHUNK + st, Dv, acc + r * Dv);
-                }
-            }
+    if (job->bf16_pv) { /* P V in vdpbf16ps (bfloat16 pages) */
+        if (whole) {
+            pv_head_dp(vh, job->vs_tok * esz, len, sc + r0 * AK_CHUNK + st, AK_CHUNK, Dv,
+                       rows_per_head, acc + r0 * Dv, next);
+            return;
         }
-        c0 = c1;
+        ahead_all(next, len);
+        for (int64_t r = r0; r < r1; ++r) {
+            int64_t t0, t1;
+            row_span(w->lo[r], w->hi[r], c0, c1, st, se, &t0, &t1);
+            if (t1 > t0)
+                pv_dp_rows(vh + (t0 - st) * job->vs_tok * esz, job->vs_tok * esz, t1 - t0,
+                           sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv, NULL);
+        }
+        return;
     }
+#endif
+    if (whole) {
+        pv_head(vh, job->vs_tok * esz, len, dtype, sc + r0 * AK_CHUNK + st, AK_CHUNK, Dv,
+                rows_per_head, acc + r0 * Dv, next);
+        return;
+    }
+    ahead_all(next, len);
+    for (int64_t r = r0; r < r1; ++r) {
+        int64_t t0, t1;
+        row_span(w->lo[r], w->hi[r], c0, c1, st, se, &t0, &t1);
+        pv_row_range(vh, job->vs_tok * esz, t0 - st, t1 - st, dtype, sc + r * AK_CHUNK + st,
+                     Dv, acc + r * Dv);
+    }
+}
 
+/* P V of chunk [c0, c1), one page segment and kv head at a time (head_pv); fp8 values: the
+ * page's descale goes on the weights (the sums l are already taken). nv: the next chunk's
+ * value rows, asked for ahead */
+AK_INLINE void chunk_pv(const ak_task *tk, const ak_seg *seg, int64_t nseg, int64_t c0,
+                        int64_t c1, const char *const *nv) {
+    const ak_job *job = tk->job;
+    const int esz = AK_ESZ(job->dtype);
+    const int64_t Hkv = job->Hkv;
+    for (int64_t g = 0; g < nseg; ++g) {
+        const int64_t st = seg[g].t, se = st + seg[g].len;
+        if (job->vd && !tk->h16)
+            scale_rows(tk->w->sc, job->vd + seg[g].page * Hkv, tk->unit, Hkv, tk->rows_per_head,
+                       st, se);
+        const char *vbase = job->vp + (seg[g].page * job->vs_page
+                                       + seg[g].first * job->vs_tok) * esz;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            /* the next chunk's value rows asked for ahead, unless they are key rows (shared:
+             * the scores ask for those) */
+            const ak_ahead next_v = {nv + st, h * job->vs_head * esz, job->Dv * esz};
+            head_pv(tk, &seg[g], h, vbase + h * job->vs_head * esz, c0, c1,
+                    job->shared ? NULL : &next_v);
+        }
+    }
+}
+
+/* Each row's output for this split: its sums over l (NaN for a NaN row, 0 for a row that saw
+ * nothing) and its log-sum-exp */
+AK_INLINE void task_out(const ak_task *tk) {
+    const ak_job *job = tk->job;
+    const ak_scratch *w = tk->w;
+    const int64_t R = tk->R, Dv = job->Dv;
     for (int64_t r = 0; r < R; ++r) {
-        const int64_t o = (s * job->B + b) * R + r; /* (split, b, hq, i) */
+        const int64_t o = (tk->s * job->B + tk->b) * R + r; /* (split, b, hq, i) */
         float *dst = job->out + o * Dv;
-        if (isnan(m[r])) {
+        if (isnan(w->m[r])) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = NAN;
             if (job->lse) job->lse[o] = NAN;
-        } else if (l[r] > 0.0f) {
-            sums_out(dst, acc + r * Dv, Dv, 1.0f / l[r], AK_EVEN_ODD(dtype));
-            if (job->lse) job->lse[o] = m[r] + logf(l[r]);
+        } else if (w->l[r] > 0.0f) {
+            sums_out(dst, w->acc + r * Dv, Dv, 1.0f / w->l[r], AK_EVEN_ODD(job->dtype));
+            if (job->lse) job->lse[o] = w->m[r] + logf(w->l[r]);
         } else {
             memset(dst, 0, (size_t)Dv * sizeof(float));
             if (job->lse) job->lse[o] = -INFINITY;
         }
     }
+}
+
+/* One work item (sequence b, key split s): the query rows, then this split's keys a chunk at
+ * a time (scores, online softmax, P V), then the outputs */
+static void run_task(ak_job *job, int64_t task, ak_scratch *w) {
+    ak_task tk = {.job = job, .w = w, .s = task % job->splits, .b = task / job->splits};
+    tk.L = job->seqlens[tk.b];
+    tk.base = job->starts ? job->starts[tk.b] : 0;
+    tk.R = job->Hq * job->Lq;
+    tk.rows_per_head = (job->Hq / job->Hkv) * job->Lq;
+    tk.unit = job->dtype == AK_E4M3 ? 256.0f : 1.0f;
+    tk.qb = w->q;
+    tk.qhb = job->bf16_dot ? w->qh : NULL;
+#ifdef AK_FP8DOT
+    /* fp8 pages by table (keys into the dot products, values to float32; Dv % 32 == 0) */
+    tk.fp8dot = job->bf16_dot && job->dtype >= AK_E4M3 && job->Dv % 32 == 0;
+    ak_tab T;
+    if (tk.fp8dot) T = fp8_tab(job);
+    tk.T = &T;
+#endif
+    query_rows(job, tk.b, tk.qb, tk.qhb);
+#ifdef AK_H16
+    tk.h16 = task_q16(job, w, tk.qb, tk.rows_per_head);
+    const ak_q16 q16v = {w->q16, w->qf};
+    tk.q16 = tk.h16 ? &q16v : NULL;
+#endif
+#if AK_N == 16
+    /* the score tiles (see mla_scores) where the head dim is past what the general loops keep
+     * in registers (D > 128), shared rows or not: the same sums, in less time */
+    tk.mla_sc = !tk.h16 && job->D > 128;
+#endif
+    int64_t klo, khi;
+    task_rows(&tk, &klo, &khi);
+
+    /* this split's keys, clipped to what any row sees */
+    int64_t k0 = tk.s * job->keys_per_split, k1 = k0 + job->keys_per_split;
+    if (k0 < klo) k0 = klo;
+    if (k1 > khi) k1 = khi;
+    ak_seg seg[AK_CHUNK];
+    for (int64_t c0 = k0; c0 < k1;) {
+        const int64_t c1 = c0 + AK_CHUNK < k1 ? c0 + AK_CHUNK : k1, n = c1 - c0;
+        const int64_t nseg = chunk_segments(job, tk.b, tk.base, c0, c1, seg);
+        const int64_t nw = (n + AK_W - 1) / AK_W * AK_W; /* score lanes in use */
+        const char *nk[AK_CHUNK], *nv[AK_CHUNK]; /* the next chunk's rows, asked for ahead */
+        next_rows(job, tk.b, tk.base, c1, c1 + AK_CHUNK < k1 ? c1 + AK_CHUNK : k1, nk, nv);
+        chunk_scores(&tk, seg, nseg, nk);
+        chunk_softmax(&tk, c0, c1, nw);
+        chunk_pv(&tk, seg, nseg, c0, c1, nv);
+        c0 = c1;
+    }
+    task_out(&tk);
 }
 
 /* One pool worker: takes work items off job->next until none is left. It allocates its
