@@ -531,7 +531,7 @@ def test_bfloat16_gradients_from_the_kernel_or_summed_in_float32(shared_kv, monk
         assert ok, (err, base)
 
 
-# ---- the 256-bit build (AVX2 + FMA + F16C: flash.c through avx2_as_512.h) ----------------
+# ---- the 256-bit build (AVX2 + FMA + F16C: flash.c on simd.h's AVX2 backend) -------------
 
 _AVX2_SCRIPT = r"""
 import torch, attnkit

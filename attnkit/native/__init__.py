@@ -17,7 +17,7 @@ fp8 casts run one element at a time).
 
 ``philox.c`` is the counter-based generator of :mod:`attnkit.dropout`, bit for bit, about 20
 times faster than the same rounds in torch integer ops. ``softcap.c`` is the tiled executor's
-``cap * tanh`` pass and its gradient, one sweep each (``vecmath.h``: the shared exp/tanh).
+``cap * tanh`` pass and its gradient, one sweep each (``simd.h``: the shared exp/tanh).
 ``peak.c`` measures what the cores and the memory can do at most (multiply-adds, the
 bfloat16 dot product, a copy), the limits :mod:`attnkit.bench.limits` reports.
 Decoding and softcap share one thread pool (``pool.c``): threads started on the first call

@@ -50,8 +50,7 @@ SOURCES = tuple(HERE / name for name in (
     "decode.c", "philox.c", "softcap.c", "terms.c", "flash.c", "pool.c", "peak.c", "abi.c"))
 #: attnkit.h: the interface the loader reads (every exported function, shared struct,
 #: constant and error code; see its top)
-HEADERS = tuple(HERE / name for name in ("attnkit.h", "vecmath.h", "pool.h", "avx2_as_512.h",
-                                         "fp8.h"))
+HEADERS = tuple(HERE / name for name in ("attnkit.h", "simd.h", "vecmath.h", "pool.h", "fp8.h"))
 #: the flags of every build, prebuilt or built here; the instruction set comes on top
 FLAGS = ("-O3", "-std=gnu11", "-fopenmp-simd", "-fPIC", "-shared")
 #: the flash kernel may run on torch's OpenMP threads (pool.c's ak_team_run); a build without

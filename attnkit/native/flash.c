@@ -1,5 +1,6 @@
-/* attnkit native kernels: flash attention on the CPU, float32 arithmetic (AVX-512, or AVX2 +
- * FMA + F16C through avx2_as_512.h, whose matrix products have their own 256-bit versions).
+/* attnkit native kernels: flash attention on the CPU, float32 arithmetic, written in simd.h's
+ * vector layer (AVX-512, or AVX2 + FMA + F16C: there the matrix products have 256-bit versions
+ * of their own; the bfloat16 dot products are AVX512-BF16's).
  *
  * One call computes softmax(scale * Q K^T + terms, masked) V and the log-sum-exp for every
  * (batch, query head) over query blocks of AK_FM rows, with the online softmax of
@@ -57,45 +58,21 @@
 #define AK_SB 4 /* most key blocks of one backward item */
 #define AK_WS_BWD (5 * AK_SB * AK_FN * AK_FD + 3 * AK_FM * AK_FD + 3 * AK_FM * AK_FN)
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define AK_FLASH_SIMD 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include "avx2_as_512.h" /* the same code on pairs of 256-bit registers */
-#define AK_FLASH_SIMD 1
-#endif
+#include "simd.h" /* AVX-512, or AVX2 + FMA + F16C (AKV_BITS 512, 256; 0: not built) */
 
-#if defined(__AVX512F__)
-/* Keeps four loaded vectors in registers: without it the compiler folds each load into the
- * four multiply-adds that read it, four loads instead of one, free where a 512-bit load is
- * one operation and the limit where it is two (Zen 4: the matrix products ran at two thirds
- * of the multiply-add rate). */
-#define AK_HOLD4(a, b, c, e) __asm__("" : "+v"(a), "+v"(b), "+v"(c), "+v"(e))
-#else
-/* the same for two 256-bit vectors (the AVX2 products' operands) */
-#define AK_HOLD2(a, b) __asm__("" : "+x"(a), "+x"(b))
-#endif
-
-#if defined(AK_FLASH_SIMD)
+#if AKV_BITS
 #include "fp8.h"
 
-static inline __m512 ak_load_row16(const void *p, int dtype, int64_t i) {
-    if (dtype == 0) return _mm512_loadu_ps((const float *)p + i);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-    if (dtype == 2) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+static inline akv ak_load_row16(const void *p, int dtype, int64_t i) {
+    if (dtype == 0) return akv_load((const float *)p + i);
+    const akvh h = akvh_load((const uint16_t *)p + i);
+    if (dtype == 2) return akv_from_f16(h);
+    return akvi_as_f(akvi_slli(akvi_from_u16(h), 16));
 }
 
 /* lanes of x that are NaN or infinite (x * 0 is NaN exactly there) */
-static inline __mmask16 ak_nonfinite(__m512 x) {
-    const __m512 z = _mm512_setzero_ps();
-    return _mm512_cmp_ps_mask(_mm512_mul_ps(x, z), z, _CMP_NEQ_UQ);
-}
-
-/* 16-bit lanes (bfloat16 bits) whose exponent is all ones: NaN or infinite */
-static inline __mmask32 ak_nonfinite_bf16(__m512i x) {
-    const __m512i e = _mm512_set1_epi16(0x7f80);
-    return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, e), e);
+static inline akvm ak_nonfinite(akv x) {
+    return akv_isnan(akv_mul(x, akv_zero()));
 }
 
 static inline void ak_flag_bad(const ak_flash_args *a) {
@@ -103,158 +80,77 @@ static inline void ak_flag_bad(const ak_flash_args *a) {
 }
 
 /* x to 16 elements of dtype at p + i (bfloat16 rounded to nearest even as torch's casts) */
-static inline void ak_store_row16(void *p, int dtype, int64_t i, __m512 x) {
+static inline void ak_store_row16(void *p, int dtype, int64_t i, akv x) {
     if (dtype == 0) {
-        _mm512_storeu_ps((float *)p + i, x);
+        akv_store((float *)p + i, x);
         return;
     }
-    __m256i h;
+    akvh h;
     if (dtype == 2) {
-        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        h = akv_to_f16(x);
     } else {
-        const __m512i u = _mm512_castps_si512(x);
-        const __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-            16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        const __m512i qn = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, qn));
+        const akvi u = akv_as_i(x);
+        const akvi r = akvi_srli(akvi_add(akvi_add(u, akvi_set1(0x7fff)),
+                                          akvi_and(akvi_srli(u, 16), akvi_set1(1))),
+                                 16);
+        const akvi qn = akvi_or(akvi_srli(u, 16), akvi_set1(0x40));
+        h = akvh_from_i(akvi_blend(akv_isnan(x), r, qn));
     }
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    akvh_store((uint16_t *)p + i, h);
 }
 
 /* Which of keys j0 .. j0 + 63 (j0 a multiple of 64) of row i, batch/head word c2 the dropout
  * keeps, as four masks of 16 keys: keys j0 + 16 w + t take word w of the Philox call with
  * counter (j0 / 4 + t, i, c2, offset) and key (seed mod 2^32, seed / 2^32), so the block
- * takes 16 calls, two registers of 8 counters (one a 64-bit lane: _mm512_mul_epu32 reads the
+ * takes 16 calls, two registers of 8 counters (one a 64-bit lane: akvi_mul_u32 reads the
  * low 32 bits, so the words may carry garbage above them until the end), as philox.c does. */
 _Static_assert(AK_FN == 64, "ak_keep64 draws the keep masks of one 64-key block");
 static inline void ak_keep64(const ak_flash_args *a, int32_t j0, int64_t i, uint32_t c2,
-                             __mmask16 keep[4]) {
-    const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
-    const __m512i j8 = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    __m512i xa0 = _mm512_add_epi64(j8, _mm512_set1_epi64(j0 >> 2));
-    __m512i xb0 = _mm512_add_epi64(j8, _mm512_set1_epi64((j0 >> 2) + 8));
-    __m512i xa1 = _mm512_set1_epi64((uint32_t)i), xb1 = xa1;
-    __m512i xa2 = _mm512_set1_epi64(c2), xb2 = xa2;
-    __m512i xa3 = _mm512_set1_epi64(a->drop_offset), xb3 = xa3;
+                             akvm keep[4]) {
+    const akvi m0 = akvi_set1_64(0xD2511F53u), m1 = akvi_set1_64(0xCD9E8D57u);
+    const akvi j8 = akvi_iota_64();
+    akvi xa0 = akvi_add_64(j8, akvi_set1_64(j0 >> 2));
+    akvi xb0 = akvi_add_64(j8, akvi_set1_64((j0 >> 2) + 8));
+    akvi xa1 = akvi_set1_64((uint32_t)i), xb1 = xa1;
+    akvi xa2 = akvi_set1_64(c2), xb2 = xa2;
+    akvi xa3 = akvi_set1_64(a->drop_offset), xb3 = xa3;
     uint32_t key0 = (uint32_t)(a->drop_seed & 0xFFFFFFFFu), key1 = (uint32_t)(a->drop_seed >> 32);
     for (int r = 0; r < 10; ++r) {
-        const __m512i k0 = _mm512_set1_epi64(key0), k1 = _mm512_set1_epi64(key1);
-        const __m512i pa0 = _mm512_mul_epu32(xa0, m0), pa1 = _mm512_mul_epu32(xa2, m1);
-        const __m512i pb0 = _mm512_mul_epu32(xb0, m0), pb1 = _mm512_mul_epu32(xb2, m1);
-        xa0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa1, 32), xa1, k0, 0x96);
-        xa2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pa0, 32), xa3, k1, 0x96);
-        xb0 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb1, 32), xb1, k0, 0x96);
-        xb2 = _mm512_ternarylogic_epi64(_mm512_srli_epi64(pb0, 32), xb3, k1, 0x96);
+        const akvi k0 = akvi_set1_64(key0), k1 = akvi_set1_64(key1);
+        const akvi pa0 = akvi_mul_u32(xa0, m0), pa1 = akvi_mul_u32(xa2, m1);
+        const akvi pb0 = akvi_mul_u32(xb0, m0), pb1 = akvi_mul_u32(xb2, m1);
+        xa0 = akvi_xor3(akvi_srli_64(pa1, 32), xa1, k0);
+        xa2 = akvi_xor3(akvi_srli_64(pa0, 32), xa3, k1);
+        xb0 = akvi_xor3(akvi_srli_64(pb1, 32), xb1, k0);
+        xb2 = akvi_xor3(akvi_srli_64(pb0, 32), xb3, k1);
         xa1 = pa1, xa3 = pa0, xb1 = pb1, xb3 = pb0;
         key0 += 0x9E3779B9u;
         key1 += 0xBB67AE85u;
     }
-    const __m512i thr = _mm512_set1_epi32((int)a->drop_threshold);
-    const __m512i xa[4] = {xa0, xa1, xa2, xa3}, xb[4] = {xb0, xb1, xb2, xb3};
+    const akvi thr = akvi_set1((int)a->drop_threshold);
+    const akvi xa[4] = {xa0, xa1, xa2, xa3}, xb[4] = {xb0, xb1, xb2, xb3};
     for (int w = 0; w < 4; w++) {
-        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(xa[w])),
-                                             _mm512_cvtepi64_epi32(xb[w]), 1);
-        keep[w] = _mm512_cmpge_epu32_mask(_mm512_srli_epi32(x, 8), thr);
+        keep[w] = akvi_ge_u(akvi_srli(akvi_low32(xa[w], xb[w]), 8), thr);
     }
 }
-
-/* 2^x for x <= 0 (NaN stays NaN, -inf gives 0): x = n + f, |f| <= 1/2, 2^f by the polynomial
- * c[0] + c[1] f + ... of degree `deg` (a constant where it is inlined), times 2^n by scalef */
-static inline __m512 ak_exp2_poly(__m512 x, const float *c, int deg) {
-    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x); /* NaN in x is kept (second operand) */
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(c[deg]);
-    for (int i = deg - 1; i >= 0; i--) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* fitted for relative error with 2^0 exactly 1: degree 5 below 2.6e-7; degree 4 below 4.5e-6,
- * for weights then rounded to bfloat16 (relative 3.9e-3) for the bfloat16 dot products */
-static const float AK_EXP2_C5[6] = {1.0f, 6.93146288e-1f, 2.40221381e-1f, 5.55148013e-2f,
-                                    9.67658684e-3f, 1.30842137e-3f};
-static const float AK_EXP2_C4[5] = {1.0f, 6.93113625e-1f, 2.40234613e-1f, 5.59631027e-2f,
-                                    9.61857196e-3f};
-
-static inline __m512 ak_exp2(__m512 x) { return ak_exp2_poly(x, AK_EXP2_C5, 5); }
-static inline __m512 ak_exp2_bf(__m512 x) { return ak_exp2_poly(x, AK_EXP2_C4, 4); }
-
-/* tanh(x) = sign(x) (1 - E) / (1 + E), E = 2^(-2 log2(e) |x|); an odd polynomial near 0 */
-static inline __m512 ak_tanh(__m512 x) {
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    const __m512 ax = _mm512_andnot_ps(sign, x);
-    const __m512 e = ak_exp2(_mm512_mul_ps(_mm512_min_ps(ax, _mm512_set1_ps(9.0f)),
-                                           _mm512_set1_ps(-2.8853900817779268f)));
-    const __m512 big = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
-                                     _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-    const __m512 x2 = _mm512_mul_ps(ax, ax);
-    __m512 sm = _mm512_fmadd_ps(x2, _mm512_set1_ps(-17.0f / 315.0f),
-                                _mm512_set1_ps(2.0f / 15.0f));
-    sm = _mm512_fmadd_ps(x2, sm, _mm512_set1_ps(-1.0f / 3.0f));
-    sm = _mm512_fmadd_ps(_mm512_mul_ps(x2, ax), sm, ax);
-    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.125f),
-                                                             _CMP_LT_OQ), big, sm);
-    return _mm512_or_ps(t, _mm512_and_ps(x, sign));
-}
-
-#if defined(__AVX512F__)
-/* lane r: the maximum (sum) of row r's 16 lanes, four rows in one butterfly */
-static inline __m512 ak_rows4_pairs(__m512 a, __m512 b, int add) {
-    return add ? _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
-               : _mm512_max_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-}
-
-static inline __m128 ak_rows4(__m512 x0, __m512 x1, __m512 x2, __m512 x3, int add) {
-    const __m512 a = ak_rows4_pairs(x0, x1, add), b = ak_rows4_pairs(x2, x3, add);
-    const __m512 lo = _mm512_shuffle_ps(a, b, 0x44), hi = _mm512_shuffle_ps(a, b, 0xEE);
-    __m512 c = add ? _mm512_add_ps(lo, hi) : _mm512_max_ps(lo, hi);
-    __m512 t = _mm512_shuffle_f32x4(c, c, 0x4E);
-    c = add ? _mm512_add_ps(c, t) : _mm512_max_ps(c, t);
-    t = _mm512_shuffle_f32x4(c, c, 0xB1);
-    c = add ? _mm512_add_ps(c, t) : _mm512_max_ps(c, t);
-    return _mm512_castps512_ps128(c);
-}
-
-static inline __m128 ak_exp2_4(__m128 x) {
-    return _mm512_castps512_ps128(ak_exp2(_mm512_zextps128_ps512(x)));
-}
-#else
-static inline __m128 ak_rows4(__m512 x0, __m512 x1, __m512 x2, __m512 x3, int add) {
-    return add ? _mm_setr_ps(_mm512_reduce_add_ps(x0), _mm512_reduce_add_ps(x1),
-                             _mm512_reduce_add_ps(x2), _mm512_reduce_add_ps(x3))
-               : _mm_setr_ps(_mm512_reduce_max_ps(x0), _mm512_reduce_max_ps(x1),
-                             _mm512_reduce_max_ps(x2), _mm512_reduce_max_ps(x3));
-}
-
-static inline __m128 ak_exp2_4(__m128 x) {
-    float v[16] = {0}, y[16];
-    _mm_storeu_ps(v, x);
-    _mm512_storeu_ps(y, ak_exp2(_mm512_loadu_ps(v)));
-    return _mm_loadu_ps(y);
-}
-#endif
-#define ak_rows4_max(x0, x1, x2, x3) ak_rows4(x0, x1, x2, x3, 0)
-#define ak_rows4_add(x0, x1, x2, x3) ak_rows4(x0, x1, x2, x3, 1)
 
 /* acc[r][u] = o[r * stride + c0 + 16 u] (times alpha[r] unless alpha is NULL), 4 x 4 vectors;
  * and back */
-static inline void ak_load44(__m512 acc[4][4], const float *o, int64_t stride, int64_t c0,
+static inline void ak_load44(akv acc[4][4], const float *o, int64_t stride, int64_t c0,
                              const float *alpha) {
     for (int r = 0; r < 4; r++) {
-        const __m512 al = _mm512_set1_ps(alpha != NULL ? alpha[r] : 1.0f);
+        const akv al = akv_set1(alpha != NULL ? alpha[r] : 1.0f);
         for (int u = 0; u < 4; u++)
-            acc[r][u] = _mm512_mul_ps(_mm512_loadu_ps(o + r * stride + c0 + 16 * u), al);
+            acc[r][u] = akv_mul(akv_load(o + r * stride + c0 + 16 * u), al);
     }
 }
 
-static inline void ak_store44(float *o, int64_t stride, int64_t c0, __m512 acc[4][4]) {
+static inline void ak_store44(float *o, int64_t stride, int64_t c0, akv acc[4][4]) {
     for (int r = 0; r < 4; r++)
-        for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + r * stride + c0 + 16 * u, acc[r][u]);
+        for (int u = 0; u < 4; u++) akv_store(o + r * stride + c0 + 16 * u, acc[r][u]);
 }
 
+/* ---- AVX512-BF16 (ISA-specific): the matrix products in bfloat16 pairs ------------------ */
 #if defined(__AVX512BF16__)
 #define AK_FLASH_BF16 1
 /* S = Qg Kt in bfloat16 pairs: q rows of dp 32-bit pairs, kt[cp][AK_FN] pairs of one key */
@@ -268,7 +164,7 @@ static inline void ak_scores_bf(const uint32_t *q, int64_t dp, const uint32_t *k
         __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 16));
         __m512bh k2 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 32));
         __m512bh k3 = (__m512bh)_mm512_loadu_si512((const void *)(kc + 48));
-        AK_HOLD4(k0, k1, k2, k3);
+        akv_keep4(k0, k1, k2, k3);
         for (int r = 0; r < AK_FR; r++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * dp + c]);
             s[r][0] = _mm512_dpbf16_ps(s[r][0], qb, k0);
@@ -293,7 +189,7 @@ static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint
             __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 16));
             __m512bh v2 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 32));
             __m512bh v3 = (__m512bh)_mm512_loadu_si512((const void *)(vr + 48));
-            AK_HOLD4(v0, v1, v2, v3);
+            akv_keep4(v0, v1, v2, v3);
             for (int r = 0; r < AK_FR; r++) {
                 const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[r * (AK_FN / 2) + j]);
                 acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
@@ -333,7 +229,7 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
                 __m512bh y1 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 16));
                 __m512bh y2 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 32));
                 __m512bh y3 = (__m512bh)_mm512_loadu_si512((const void *)(yr + 48));
-                AK_HOLD4(y0, y1, y2, y3);
+                akv_keep4(y0, y1, y2, y3);
                 for (int jj = 0; jj < 4; jj++) {
                     const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * AK_FN + j0 + jj]);
                     t[jj][0] = _mm512_dpbf16_ps(t[jj][0], xb, y0);
@@ -360,16 +256,15 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
 #endif
 
 /* 16 columns of rows a and b (bfloat16 bits) as 16 pairs (a[c], b[c]) */
-static inline __m512i ak_pair16(const uint16_t *ra, const uint16_t *rb) {
-    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)ra));
-    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)rb));
-    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+static inline akvi ak_pair16(const uint16_t *ra, const uint16_t *rb) {
+    const akvi lo = akvi_from_u16(akvh_load(ra)), hi = akvi_from_u16(akvh_load(rb));
+    return akvi_or(lo, akvi_slli(hi, 16));
 }
 
-#if defined(__AVX512F__)
+#if AKV_BITS == 512 /* (AVX-512-specific) */
 /* 16 x 16 32-bit words in place: r[i] (word c of row i in lane c) becomes column i */
-static inline void ak_transpose16(__m512i r[16]) {
-    __m512i t[16];
+static inline void ak_transpose16(akvi r[16]) {
+    akvi t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -427,24 +322,24 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
                       int64_t nk, uint32_t *kd, uint32_t *vd) {
     const int64_t d = a->d, dv = a->dv;
     int bad = 0;
-#if defined(__AVX512F__)
+#if AKV_BITS == 512
     for (int64_t j16 = 0; j16 < AK_FN; j16 += 16) /* 16 keys x 16 pairs at once */
         for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
-            __m512i r[16];
+            akvi r[16];
             for (int i = 0; i < 16; i++) {
-                r[i] = j16 + i < nk ? _mm512_loadu_si512(
+                r[i] = j16 + i < nk ? akvi_load(
                                           (const void *)((const uint32_t *)kr[j16 + i] + c0))
-                                    : _mm512_setzero_si512();
-                bad |= ak_nonfinite_bf16(r[i]) != 0;
+                                    : akvi_zero();
+                bad |= akvi_bf16_nonfinite(r[i]) != 0;
             }
             ak_transpose16(r);
             for (int i = 0; i < 16; i++)
-                _mm512_storeu_si512((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
+                akvi_store((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
         }
 #else
     for (int64_t jj = 0; jj < nk; jj++)
         for (int64_t c = 0; c < d; c += 32)
-            bad |= ak_nonfinite_bf16(_mm512_loadu_si512(
+            bad |= akvi_bf16_nonfinite(akvi_load(
                        (const void *)((const uint16_t *)kr[jj] + c))) != 0;
     for (int64_t c = 0; c < d / 2; c++)
         for (int64_t jj = 0; jj < AK_FN; jj++)
@@ -455,11 +350,11 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
         const uint16_t *r0 = (const uint16_t *)vr[2 * jp];
         const uint16_t *r1 = (const uint16_t *)vr[2 * jp + odd];
         for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-            const __m512i both = odd ? ak_pair16(r0 + c0, r1 + c0)
-                                     : _mm512_cvtepu16_epi32(
-                                           _mm256_loadu_si256((const __m256i *)(r0 + c0)));
-            bad |= ak_nonfinite_bf16(both) != 0;
-            _mm512_storeu_si512((void *)(vd + jp * dv + c0), both);
+            const akvi both = odd ? ak_pair16(r0 + c0, r1 + c0)
+                                     : akvi_from_u16(
+                                           akvh_load(r0 + c0));
+            bad |= akvi_bf16_nonfinite(both) != 0;
+            akvi_store((void *)(vd + jp * dv + c0), both);
         }
     }
     return bad;
@@ -475,10 +370,10 @@ static int ak_pack_f32(const ak_flash_args *a, const char *kr[AK_FN], const char
     float tile[AK_FN][16];
     for (int64_t c0 = 0; c0 < d; c0 += 16) {
         for (int64_t jj = 0; jj < AK_FN; jj++) {
-            __m512 x = _mm512_setzero_ps();
+            akv x = akv_zero();
             if (jj < nk) x = ak_load_row16(kr[jj], a->dtype, c0);
             bad |= ak_nonfinite(x) != 0;
-            _mm512_storeu_ps(tile[jj], x);
+            akv_store(tile[jj], x);
         }
         for (int64_t c = 0; c < 16; c++) {
             float *row = kt + (c0 + c) * AK_FN;
@@ -487,9 +382,9 @@ static int ak_pack_f32(const ak_flash_args *a, const char *kr[AK_FN], const char
     }
     for (int64_t jj = 0; jj < nk; jj++)
         for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-            const __m512 x = ak_load_row16(vr[jj], a->dtype, c0);
+            const akv x = ak_load_row16(vr[jj], a->dtype, c0);
             bad |= ak_nonfinite(x) != 0;
-            if (vd != NULL) _mm512_storeu_ps(vd + jj * dv + c0, x);
+            if (vd != NULL) akv_store(vd + jj * dv + c0, x);
         }
     return bad;
 }
@@ -504,12 +399,12 @@ static void ak_stage_fp8(const ak_flash_args *a, const float *desc, int64_t n, i
     const int64_t *pages = a->table + n * a->table_w;
     const float unit = AK_FP8_UNIT(a->fp8);
     for (int64_t jj = 0; jj < nk; jj++) {
-        const __m512 sc = _mm512_set1_ps(desc[pages[(j0 + jj) / a->page] * a->Hkv + h] * unit);
+        const akv sc = akv_set1(desc[pages[(j0 + jj) / a->page] * a->Hkv + h] * unit);
         char *dst = buf + jj * AK_FD * esz;
         for (int64_t c0 = 0; c0 < c; c0 += 16) {
-            const __m512 x = _mm512_cvtph_ps(ak_fp8_half16((const uint8_t *)rows[jj] + c0,
+            const akv x = akv_from_f16(ak_fp8_half16((const uint8_t *)rows[jj] + c0,
                                                            a->fp8));
-            ak_store_row16(dst, a->dtype, c0, _mm512_mul_ps(x, sc));
+            ak_store_row16(dst, a->dtype, c0, akv_mul(x, sc));
         }
         rows[jj] = dst;
     }
@@ -561,41 +456,41 @@ static void ak_pack_worker(void *vctx, int w, int nw) {
  * scores (base 2, after the scale): softcap (with capd: 1 - tanh^2 stored there for the
  * backward), ALiBi, the relative table (tr: its entry for key j0 of this row), then the
  * visible interval [lo, hi) and the segment test unless the block is known full. */
-static inline void ak_row_terms(const ak_flash_args *a, __m512 s[4], int32_t j0, float ipf,
+static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, float ipf,
                                 float slope, const float *tr, int32_t lo, int32_t hi,
                                 const int32_t *kseg, int32_t qsg, int full, float *capd) {
     static const float LOG2E = 1.4426950408889634f;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const akvi iota = akvi_iota();
     if (a->softcap > 0.0f) {
-        const __m512 inv = _mm512_set1_ps(1.0f / a->softcap);
-        const __m512 cl = _mm512_set1_ps(a->softcap * LOG2E);
+        const akv inv = akv_set1(1.0f / a->softcap);
+        const akv cl = akv_set1(a->softcap * LOG2E);
         for (int u = 0; u < 4; u++) {
-            const __m512 th = ak_tanh(_mm512_mul_ps(s[u], inv));
+            const akv th = akv_tanh(akv_mul(s[u], inv));
             if (capd != NULL)
-                _mm512_storeu_ps(capd + 16 * u, _mm512_fnmadd_ps(th, th, _mm512_set1_ps(1.0f)));
-            s[u] = _mm512_mul_ps(th, cl);
+                akv_store(capd + 16 * u, akv_fnmadd(th, th, akv_set1(1.0f)));
+            s[u] = akv_mul(th, cl);
         }
     }
     if (a->alibi) {
-        const __m512 ip = _mm512_set1_ps(ipf), sl = _mm512_set1_ps(slope);
+        const akv ip = akv_set1(ipf), sl = akv_set1(slope);
         for (int u = 0; u < 4; u++) {
-            const __m512 jf = _mm512_cvtepi32_ps(
-                _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u)));
-            s[u] = _mm512_fnmadd_ps(sl, _mm512_abs_ps(_mm512_sub_ps(ip, jf)), s[u]);
+            const akv jf = akv_from_i(
+                akvi_add(iota, akvi_set1(j0 + 16 * u)));
+            s[u] = akv_fnmadd(sl, akv_abs(akv_sub(ip, jf)), s[u]);
         }
     }
     if (tr != NULL)
-        for (int u = 0; u < 4; u++) s[u] = _mm512_add_ps(s[u], _mm512_loadu_ps(tr + 16 * u));
+        for (int u = 0; u < 4; u++) s[u] = akv_add(s[u], akv_load(tr + 16 * u));
     if (!full) {
-        const __m512i a0 = _mm512_set1_epi32(lo), a1 = _mm512_set1_epi32(hi);
+        const akvi a0 = akvi_set1(lo), a1 = akvi_set1(hi);
         for (int u = 0; u < 4; u++) {
-            const __m512i j = _mm512_add_epi32(iota, _mm512_set1_epi32(j0 + 16 * u));
-            __mmask16 vis = _mm512_cmpge_epi32_mask(j, a0) & _mm512_cmplt_epi32_mask(j, a1);
+            const akvi j = akvi_add(iota, akvi_set1(j0 + 16 * u));
+            akvm vis = akvi_ge(j, a0) & akvi_lt(j, a1);
             if (kseg != NULL)
-                vis &= _mm512_cmpeq_epi32_mask(
-                    _mm512_loadu_si512((const void *)(kseg + j0 + 16 * u)),
-                    _mm512_set1_epi32(qsg));
-            s[u] = _mm512_mask_blend_ps(vis, _mm512_set1_ps(-INFINITY), s[u]);
+                vis &= akvi_eq(
+                    akvi_load((const void *)(kseg + j0 + 16 * u)),
+                    akvi_set1(qsg));
+            s[u] = akv_blend(vis, akv_set1(-INFINITY), s[u]);
         }
     }
 }
@@ -608,85 +503,85 @@ typedef struct {
 } ak_fwd_ctx;
 
 /* S = Qg Kt for AK_FR rows (q rows of stride d, prescaled) and one packed key block */
-#if defined(__AVX512F__)
-static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
+#if AKV_BITS != 256
+static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[AK_FR][4]) {
     for (int r = 0; r < AK_FR; r++)
-        for (int v = 0; v < 4; v++) s[r][v] = _mm512_setzero_ps();
+        for (int v = 0; v < 4; v++) s[r][v] = akv_zero();
     for (int64_t c = 0; c < d; c++) {
         const float *kc = kt + c * AK_FN;
-        __m512 k0 = _mm512_loadu_ps(kc), k1 = _mm512_loadu_ps(kc + 16);
-        __m512 k2 = _mm512_loadu_ps(kc + 32), k3 = _mm512_loadu_ps(kc + 48);
-        AK_HOLD4(k0, k1, k2, k3);
+        akv k0 = akv_load(kc), k1 = akv_load(kc + 16);
+        akv k2 = akv_load(kc + 32), k3 = akv_load(kc + 48);
+        akv_keep4(k0, k1, k2, k3);
         for (int r = 0; r < AK_FR; r++) {
-            const __m512 qb = _mm512_set1_ps(q[r * d + c]);
-            s[r][0] = _mm512_fmadd_ps(qb, k0, s[r][0]);
-            s[r][1] = _mm512_fmadd_ps(qb, k1, s[r][1]);
-            s[r][2] = _mm512_fmadd_ps(qb, k2, s[r][2]);
-            s[r][3] = _mm512_fmadd_ps(qb, k3, s[r][3]);
+            const akv qb = akv_set1(q[r * d + c]);
+            s[r][0] = akv_fmadd(qb, k0, s[r][0]);
+            s[r][1] = akv_fmadd(qb, k1, s[r][1]);
+            s[r][2] = akv_fmadd(qb, k2, s[r][2]);
+            s[r][3] = akv_fmadd(qb, k3, s[r][3]);
         }
     }
 }
 
-#else
+#else /* (AVX2-specific) */
 /* the same on 256-bit registers: the four rows by 16 keys at a time, eight accumulators, the
  * two key vectors in registers (a load and four broadcasts feed eight multiply-adds; with
  * 32 keys by two rows, the keys read as memory operands twice, it was ten) */
-static inline void ak_scores(const float *q, int64_t d, const float *kt, __m512 s[AK_FR][4]) {
+static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[AK_FR][4]) {
     for (int u = 0; u < 4; u++) {
         __m256 acc[AK_FR][2];
         for (int r = 0; r < AK_FR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t c = 0; c < d; c++) {
             const float *kc = kt + c * AK_FN + 16 * u;
             __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
-            AK_HOLD2(k0, k1);
+            akr_keep2(k0, k1);
             for (int r = 0; r < AK_FR; r++) {
                 const __m256 qb = _mm256_broadcast_ss(q + r * d + c);
                 acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
                 acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
             }
         }
-        for (int r = 0; r < AK_FR; r++) s[r][u] = (__m512){acc[r][0], acc[r][1]};
+        for (int r = 0; r < AK_FR; r++) s[r][u] = akv_of(acc[r][0], acc[r][1]);
     }
 }
 #endif
 
 /* O[rows] = O * alpha + P V over nk keys, dv in chunks of 64 columns */
-#if defined(__AVX512F__)
+#if AKV_BITS != 256
 static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
                          const float *v, int64_t vstride, int64_t nk) {
     int64_t c0 = 0;
     for (; c0 + 64 <= dv; c0 += 64) {
-        __m512 acc[AK_FR][4];
+        akv acc[AK_FR][4];
         ak_load44(acc, o, dv, c0, alpha);
         for (int64_t j = 0; j < nk; j++) {
             const float *vr = v + j * vstride + c0;
-            __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-            __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-            AK_HOLD4(v0, v1, v2, v3);
+            akv v0 = akv_load(vr), v1 = akv_load(vr + 16);
+            akv v2 = akv_load(vr + 32), v3 = akv_load(vr + 48);
+            akv_keep4(v0, v1, v2, v3);
             for (int r = 0; r < AK_FR; r++) {
-                const __m512 pb = _mm512_set1_ps(p[r * AK_FN + j]);
-                acc[r][0] = _mm512_fmadd_ps(pb, v0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(pb, v1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(pb, v2, acc[r][2]);
-                acc[r][3] = _mm512_fmadd_ps(pb, v3, acc[r][3]);
+                const akv pb = akv_set1(p[r * AK_FN + j]);
+                acc[r][0] = akv_fmadd(pb, v0, acc[r][0]);
+                acc[r][1] = akv_fmadd(pb, v1, acc[r][1]);
+                acc[r][2] = akv_fmadd(pb, v2, acc[r][2]);
+                acc[r][3] = akv_fmadd(pb, v3, acc[r][3]);
             }
         }
         ak_store44(o, dv, c0, acc);
     }
     for (; c0 < dv; c0 += 16) {
-        __m512 acc[AK_FR];
+        akv acc[AK_FR];
         for (int r = 0; r < AK_FR; r++)
-            acc[r] = _mm512_mul_ps(_mm512_loadu_ps(o + r * dv + c0), _mm512_set1_ps(alpha[r]));
+            acc[r] = akv_mul(akv_load(o + r * dv + c0), akv_set1(alpha[r]));
         for (int64_t j = 0; j < nk; j++) {
-            const __m512 vv = _mm512_loadu_ps(v + j * vstride + c0);
+            const akv vv = akv_load(v + j * vstride + c0);
             for (int r = 0; r < AK_FR; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * AK_FN + j]), vv, acc[r]);
+                acc[r] = akv_fmadd(akv_set1(p[r * AK_FN + j]), vv, acc[r]);
         }
-        for (int r = 0; r < AK_FR; r++) _mm512_storeu_ps(o + r * dv + c0, acc[r]);
+        for (int r = 0; r < AK_FR; r++) akv_store(o + r * dv + c0, acc[r]);
     }
 }
 
-#else
+#else /* (AVX2-specific) */
 /* the same on 256-bit registers: the four rows by 16 columns, eight accumulators, the two
  * value vectors in registers (as ak_scores) */
 static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *p,
@@ -700,7 +595,7 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
         for (int64_t j = 0; j < nk; j++) {
             __m256 v0 = _mm256_loadu_ps(v + j * vstride + c0);
             __m256 v1 = _mm256_loadu_ps(v + j * vstride + c0 + 8);
-            AK_HOLD2(v0, v1);
+            akr_keep2(v0, v1);
             for (int r = 0; r < AK_FR; r++) {
                 const __m256 pb = _mm256_broadcast_ss(p + r * AK_FN + j);
                 acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
@@ -734,10 +629,10 @@ static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_
         }
         const float w = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mf);
         const float total = l[r] * w + (sink > -INFINITY ? exp2f(sink - mf) : 0.0f);
-        const __m512 f = _mm512_set1_ps(w / total * (a->dropout ? a->drop_scale : 1.0f));
+        const akv f = akv_set1(w / total * (a->dropout ? a->drop_scale : 1.0f));
         for (int64_t c = 0; c < dv; c += 16)
             ak_store_row16(orow, a->out_dtype, c,
-                           _mm512_mul_ps(_mm512_loadu_ps(obuf + r * dv + c), f));
+                           akv_mul(akv_load(obuf + r * dv + c), f));
         a->lse[row] = (mf + log2f(total)) * LN2;
     }
 }
@@ -769,17 +664,17 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
         if (r < nrows) {
             const int64_t i = i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
-            __mmask16 badq = 0;
+            akvm badq = 0;
             if (a->bf16dot) {
                 memcpy(qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
                 for (int64_t c = 0; c < d; c += 32)
-                    badq |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                    badq |= akvi_bf16_nonfinite(akvi_load(
                                 (const void *)((const uint16_t *)qr + c))) != 0;
             } else {
                 for (int64_t c = 0; c < d; c += 16) {
-                    const __m512 x = ak_load_row16(qr, a->dtype, c);
+                    const akv x = ak_load_row16(qr, a->dtype, c);
                     badq |= ak_nonfinite(x);
-                    _mm512_storeu_ps(qbuf + r * d + c, _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                    akv_store(qbuf + r * d + c, akv_mul(x, akv_set1(qmul)));
                 }
             }
             if (badq) ak_flag_bad(a);
@@ -842,15 +737,15 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
                             break;
                         }
             }
-            __m512 s[AK_FR][4];
+            akv s[AK_FR][4];
 #ifdef AK_FLASH_BF16
             if (a->bf16dot) {
                 ak_scores_bf((const uint32_t *)qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
                              s);
                 if (!fold) {
-                    const __m512 qm = _mm512_set1_ps(qmul);
+                    const akv qm = akv_set1(qmul);
                     for (int r = 0; r < AK_FR; r++)
-                        for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+                        for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
                 }
             } else
 #endif
@@ -858,57 +753,57 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
             /* the group's four rows together: their maxima in one 4-row reduction, the new
              * running maxima and rescales as one vector (a row that sees nothing yet keeps
              * weight 0 on base 0: its scores are all -inf) */
-            __m512 rv[AK_FR];
+            akv rv[AK_FR];
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
                 ak_row_terms(a, s[r], j0, ipf[rr], slope, rel != NULL ? rel + j0 - rr : NULL,
                              lo[rr], hi[rr], kseg, qs[rr], full, NULL);
-                rv[r] = _mm512_max_ps(_mm512_max_ps(s[r][0], s[r][1]),
-                                      _mm512_max_ps(s[r][2], s[r][3]));
+                rv[r] = akv_max(akv_max(s[r][0], s[r][1]),
+                                      akv_max(s[r][2], s[r][3]));
             }
-            __m128 mx = ak_rows4_max(rv[0], rv[1], rv[2], rv[3]);
-            if (fold) mx = _mm_mul_ps(mx, _mm_set1_ps(qmul));
-            const __m128 mold = _mm_loadu_ps(m + r0);
-            const __m128 mnew = _mm_max_ps(mx, mold);
-            const __m128 base = _mm_blendv_ps(mnew, _mm_setzero_ps(),
-                                              _mm_cmpeq_ps(mnew, _mm_set1_ps(-INFINITY)));
-            const __m128 al = ak_exp2_4(_mm_sub_ps(mold, base));
+            akv4 mx = akv_rows4_max(rv[0], rv[1], rv[2], rv[3]);
+            if (fold) mx = akv4_mul(mx, akv4_set1(qmul));
+            const akv4 mold = akv4_load(m + r0);
+            const akv4 mnew = akv4_max(mx, mold);
+            const akv4 base = akv4_select(akv4_eq(mnew, akv4_set1(-INFINITY)), akv4_set1(0.0f),
+                                          mnew);
+            const akv4 al = akv4_exp2(akv4_sub(mold, base));
             float bs[AK_FR];
-            _mm_storeu_ps(m + r0, mnew);
-            _mm_storeu_ps(alpha + r0, al);
-            _mm_storeu_ps(bs, base);
+            akv4_store(m + r0, mnew);
+            akv4_store(alpha + r0, al);
+            akv4_store(bs, base);
             for (int r = 0; r < AK_FR; r++) {
                 const int64_t rr = r0 + r;
-                __m512 p[4];
+                akv p[4];
                 if (fold) {
-                    const __m512 qm = _mm512_set1_ps(qmul), nb = _mm512_set1_ps(-bs[r]);
+                    const akv qm = akv_set1(qmul), nb = akv_set1(-bs[r]);
                     for (int u = 0; u < 4; u++)
-                        p[u] = ak_exp2_bf(_mm512_fmadd_ps(s[r][u], qm, nb));
+                        p[u] = akv_exp2_bf(akv_fmadd(s[r][u], qm, nb));
                 } else if (a->bf16dot) {
-                    const __m512 mb = _mm512_set1_ps(bs[r]);
-                    for (int u = 0; u < 4; u++) p[u] = ak_exp2_bf(_mm512_sub_ps(s[r][u], mb));
+                    const akv mb = akv_set1(bs[r]);
+                    for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_sub(s[r][u], mb));
                 } else {
-                    const __m512 mb = _mm512_set1_ps(bs[r]);
-                    for (int u = 0; u < 4; u++) p[u] = ak_exp2(_mm512_sub_ps(s[r][u], mb));
+                    const akv mb = akv_set1(bs[r]);
+                    for (int u = 0; u < 4; u++) p[u] = akv_exp2(akv_sub(s[r][u], mb));
                 }
-                rv[r] = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+                rv[r] = akv_add(akv_add(p[0], p[1]), akv_add(p[2], p[3]));
                 if (a->dropout) { /* the softmax sums every weight; P V only the kept ones */
-                    __mmask16 keep[4];
+                    akvm keep[4];
                     ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
-                    for (int u = 0; u < 4; u++) p[u] = _mm512_maskz_mov_ps(keep[u], p[u]);
+                    for (int u = 0; u < 4; u++) p[u] = akv_maskz(keep[u], p[u]);
                 }
 #ifdef AK_FLASH_BF16
                 if (a->bf16dot) {
                     uint16_t *pr = (uint16_t *)pbuf + rr * AK_FN;
-                    _mm512_storeu_si512((void *)pr, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-                    _mm512_storeu_si512((void *)(pr + 32),
-                                        (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+                    akvi_store((void *)pr, (akvi)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                    akvi_store((void *)(pr + 32),
+                                        (akvi)_mm512_cvtne2ps_pbh(p[3], p[2]));
                 } else
 #endif
-                    for (int u = 0; u < 4; u++) _mm512_storeu_ps(pbuf + rr * AK_FN + 16 * u, p[u]);
+                    for (int u = 0; u < 4; u++) akv_store(pbuf + rr * AK_FN + 16 * u, p[u]);
             }
-            const __m128 sum = ak_rows4_add(rv[0], rv[1], rv[2], rv[3]);
-            _mm_storeu_ps(l + r0, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(l + r0), al), sum));
+            const akv4 sum = akv_rows4_add(rv[0], rv[1], rv[2], rv[3]);
+            akv4_store(l + r0, akv4_add(akv4_mul(akv4_load(l + r0), al), sum));
         }
         /* P V once every group's weights are written (not read back straight after the
          * stores that wrote them) */
@@ -997,43 +892,43 @@ typedef struct {
 } ak_bwd_ctx;
 
 /* acc[64 keys][cols] += X^T Y over R rows: X (R x AK_FN, stride AK_FN), Y (R x cols) */
-#if defined(__AVX512F__)
+#if AKV_BITS != 256
 static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *y, int64_t R,
                          int64_t nk) {
     for (int64_t j0 = 0; j0 < nk; j0 += 4) {
         int64_t c0 = 0;
         for (; c0 + 64 <= cols; c0 += 64) {
-            __m512 t[4][4];
+            akv t[4][4];
             ak_load44(t, acc + j0 * cols, cols, c0, NULL);
             for (int64_t r = 0; r < R; r++) {
                 const float *yr = y + r * cols + c0;
-                __m512 y0 = _mm512_loadu_ps(yr), y1 = _mm512_loadu_ps(yr + 16);
-                __m512 y2 = _mm512_loadu_ps(yr + 32), y3 = _mm512_loadu_ps(yr + 48);
-                AK_HOLD4(y0, y1, y2, y3);
+                akv y0 = akv_load(yr), y1 = akv_load(yr + 16);
+                akv y2 = akv_load(yr + 32), y3 = akv_load(yr + 48);
+                akv_keep4(y0, y1, y2, y3);
                 for (int jj = 0; jj < 4; jj++) {
-                    const __m512 xb = _mm512_set1_ps(x[r * AK_FN + j0 + jj]);
-                    t[jj][0] = _mm512_fmadd_ps(xb, y0, t[jj][0]);
-                    t[jj][1] = _mm512_fmadd_ps(xb, y1, t[jj][1]);
-                    t[jj][2] = _mm512_fmadd_ps(xb, y2, t[jj][2]);
-                    t[jj][3] = _mm512_fmadd_ps(xb, y3, t[jj][3]);
+                    const akv xb = akv_set1(x[r * AK_FN + j0 + jj]);
+                    t[jj][0] = akv_fmadd(xb, y0, t[jj][0]);
+                    t[jj][1] = akv_fmadd(xb, y1, t[jj][1]);
+                    t[jj][2] = akv_fmadd(xb, y2, t[jj][2]);
+                    t[jj][3] = akv_fmadd(xb, y3, t[jj][3]);
                 }
             }
             ak_store44(acc + j0 * cols, cols, c0, t);
         }
         for (; c0 < cols; c0 += 16) {
-            __m512 t[4];
-            for (int jj = 0; jj < 4; jj++) t[jj] = _mm512_loadu_ps(acc + (j0 + jj) * cols + c0);
+            akv t[4];
+            for (int jj = 0; jj < 4; jj++) t[jj] = akv_load(acc + (j0 + jj) * cols + c0);
             for (int64_t r = 0; r < R; r++) {
-                const __m512 yv = _mm512_loadu_ps(y + r * cols + c0);
+                const akv yv = akv_load(y + r * cols + c0);
                 for (int jj = 0; jj < 4; jj++)
-                    t[jj] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * AK_FN + j0 + jj]), yv, t[jj]);
+                    t[jj] = akv_fmadd(akv_set1(x[r * AK_FN + j0 + jj]), yv, t[jj]);
             }
-            for (int jj = 0; jj < 4; jj++) _mm512_storeu_ps(acc + (j0 + jj) * cols + c0, t[jj]);
+            for (int jj = 0; jj < 4; jj++) akv_store(acc + (j0 + jj) * cols + c0, t[jj]);
         }
     }
 }
 
-#else
+#else /* (AVX2-specific) */
 /* the same on 256-bit registers: four keys by 16 columns, eight accumulators */
 static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *y, int64_t R,
                          int64_t nk) {
@@ -1046,7 +941,7 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
             for (int64_t r = 0; r < R; r++) {
                 __m256 y0 = _mm256_loadu_ps(y + r * cols + c0);
                 __m256 y1 = _mm256_loadu_ps(y + r * cols + c0 + 8);
-                AK_HOLD2(y0, y1);
+                akr_keep2(y0, y1);
                 for (int jj = 0; jj < 4; jj++) {
                     const __m256 xb = _mm256_broadcast_ss(x + r * AK_FN + j0 + jj);
                     t[jj][0] = _mm256_fmadd_ps(xb, y0, t[jj][0]);
@@ -1079,9 +974,9 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
             for (int64_t c = 0; c < dv / 2; c++) vtp[c * AK_FN + jj] = jj < nk ? vr[c] : 0u;
             if (jj < nk) {
                 for (int64_t c = 0; c < d; c += 32)
-                    bad |= ak_nonfinite_bf16(_mm512_loadu_si512((const void *)((const uint16_t *)kr + c))) != 0;
+                    bad |= akvi_bf16_nonfinite(akvi_load((const void *)((const uint16_t *)kr + c))) != 0;
                 for (int64_t c = 0; c < dv; c += 32)
-                    bad |= ak_nonfinite_bf16(_mm512_loadu_si512((const void *)((const uint16_t *)vr + c))) != 0;
+                    bad |= akvi_bf16_nonfinite(akvi_load((const void *)((const uint16_t *)vr + c))) != 0;
             }
         }
         for (int64_t jp = 0; jp < AK_FN / 2; jp++) {
@@ -1091,24 +986,24 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
             const uint16_t *rb = jb < nk ? (const uint16_t *)(kbase + (j0 + jb) * a->ks[2] * esz)
                                          : zero;
             for (int64_t c = 0; c < d; c += 16)
-                _mm512_storeu_si512((void *)(kp + jp * d + c), ak_pair16(ra + c, rb + c));
+                akvi_store((void *)(kp + jp * d + c), ak_pair16(ra + c, rb + c));
         }
         if (bad) ak_flag_bad(a);
         return;
     }
-    __mmask16 badm = 0;
+    akvm badm = 0;
     for (int64_t jj = 0; jj < AK_FN; jj++) {
         for (int64_t c = 0; c < d; c += 16) {
-            __m512 x = _mm512_setzero_ps();
+            akv x = akv_zero();
             if (jj < nk) x = ak_load_row16(kbase + (j0 + jj) * a->ks[2] * esz, a->dtype, c);
             badm |= ak_nonfinite(x);
-            _mm512_storeu_ps(kn + jj * d + c, x);
+            akv_store(kn + jj * d + c, x);
         }
         for (int64_t c = 0; c < dv; c += 16) {
-            __m512 x = _mm512_setzero_ps();
+            akv x = akv_zero();
             if (jj < nk) x = ak_load_row16(vbase + (j0 + jj) * a->vs[2] * esz, a->dtype, c);
             badm |= ak_nonfinite(x);
-            _mm512_storeu_ps(stage + jj * dv + c, x);
+            akv_store(stage + jj * dv + c, x);
         }
     }
     for (int64_t c = 0; c < d; c++)
@@ -1162,7 +1057,7 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
     memset(dvb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
     const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
     const int64_t bb = n * a->bounds_bstride;
-    const __m512 sc = _mm512_set1_ps(a->scale); /* dQ = scale dS K */
+    const akv sc = akv_set1(a->scale); /* dQ = scale dS K */
     const size_t doe = gr->dout_dtype == 0 ? 4 : 2;
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;
@@ -1192,22 +1087,22 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                     const int64_t i = i0 + r;
                     const char *qr = qbase + i * a->qs[2] * esz;
                     const char *dor_i = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
-                    __mmask32 badq = 0;
+                    int badq = 0;
                     if (bf) {
                         memcpy(qraw + r * (d / 2), qr, (size_t)d * 2);
                         memcpy(dor + r * (dv / 2), dor_i, (size_t)dv * 2);
                         for (int64_t c = 0; c < d; c += 32)
-                            badq |= ak_nonfinite_bf16(_mm512_loadu_si512(
+                            badq |= akvi_bf16_nonfinite(akvi_load(
                                 (const void *)((const uint16_t *)qr + c)));
                     } else {
                         for (int64_t c = 0; c < d; c += 16) {
-                            const __m512 x = ak_load_row16(qr, a->dtype, c);
+                            const akv x = ak_load_row16(qr, a->dtype, c);
                             badq |= ak_nonfinite(x);
-                            _mm512_storeu_ps(qbuf + r * d + c,
-                                             _mm512_mul_ps(x, _mm512_set1_ps(qmul)));
+                            akv_store(qbuf + r * d + c,
+                                             akv_mul(x, akv_set1(qmul)));
                         }
                         for (int64_t c = 0; c < dv; c += 16)
-                            _mm512_storeu_ps(dobuf + r * dv + c,
+                            akv_store(dobuf + r * dv + c,
                                              ak_load_row16(dor_i, gr->dout_dtype, c));
                     }
                     if (badq) ak_flag_bad(a);
@@ -1235,9 +1130,9 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                     const uint16_t *da = (const uint16_t *)(dor + 2 * rp * (dv / 2));
                     const uint16_t *db2 = (const uint16_t *)(dor + (2 * rp + 1) * (dv / 2));
                     for (int64_t c = 0; c < d; c += 16)
-                        _mm512_storeu_si512((void *)(qrp + rp * d + c), ak_pair16(qa + c, qb2 + c));
+                        akvi_store((void *)(qrp + rp * d + c), ak_pair16(qa + c, qb2 + c));
                     for (int64_t c = 0; c < dv; c += 16)
-                        _mm512_storeu_si512((void *)(dorp + rp * dv + c),
+                        akvi_store((void *)(dorp + rp * dv + c),
                                             ak_pair16(da + c, db2 + c));
                 }
             memset(dqt, 0, sizeof(float) * padded * d);
@@ -1274,14 +1169,14 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                     if (kseg != NULL && full)
                         for (int r = 0; r < AK_FR; r++)
                             full &= kfull_seg && qsg[r0 + r] == kseg[j0];
-                    __m512 s[AK_FR][4], dp[AK_FR][4];
+                    akv s[AK_FR][4], dp[AK_FR][4];
 #ifdef AK_FLASH_BF16
                     if (bf) {
                         ak_scores_bf(qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s);
                         ak_scores_bf(dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp);
-                        const __m512 qm = _mm512_set1_ps(qmul);
+                        const akv qm = akv_set1(qmul);
                         for (int r = 0; r < AK_FR; r++)
-                            for (int u = 0; u < 4; u++) s[r][u] = _mm512_mul_ps(s[r][u], qm);
+                            for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
                     } else
 #endif
                     {
@@ -1293,31 +1188,31 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                         ak_row_terms(a, s[r], j0, ipf[rr], slope,
                                      rel != NULL ? rel + j0 - rr : NULL, lo[rr], hi[rr], kseg,
                                      qsg[rr], full, capped ? capd + rr * AK_FN : NULL);
-                        const __m512 lb = _mm512_set1_ps(lsel[rr]), db = _mm512_set1_ps(dl[rr]);
-                        __mmask16 keep[4] = {0xffff, 0xffff, 0xffff, 0xffff};
+                        const akv lb = akv_set1(lsel[rr]), db = akv_set1(dl[rr]);
+                        akvm keep[4] = {0xffff, 0xffff, 0xffff, 0xffff};
                         if (a->dropout)
                             ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
                         for (int u = 0; u < 4; u++) {
-                            __m512 p = ak_exp2(_mm512_sub_ps(s[r][u], lb));
-                            __m512 dpu = dp[r][u];
-                            const __m512 zs = _mm512_set1_ps(a->drop_scale);
+                            akv p = akv_exp2(akv_sub(s[r][u], lb));
+                            akv dpu = dp[r][u];
+                            const akv zs = akv_set1(a->drop_scale);
                             if (a->dropout) /* dS = P (Z dP - D), dV += (Z P)^T dO */
-                                dpu = _mm512_maskz_mul_ps(keep[u], dpu, zs);
-                            __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dpu, db));
-                            if (a->dropout) p = _mm512_maskz_mul_ps(keep[u], p, zs);
+                                dpu = akv_maskz_mul(keep[u], dpu, zs);
+                            akv ds = akv_mul(p, akv_sub(dpu, db));
+                            if (a->dropout) p = akv_maskz_mul(keep[u], p, zs);
                             if (drel != NULL) { /* the table's term is added after softcap */
                                 float *dr = drel + j0 - rr + 16 * u;
-                                _mm512_storeu_ps(dr, _mm512_add_ps(_mm512_loadu_ps(dr), ds));
+                                akv_store(dr, akv_add(akv_load(dr), ds));
                             }
                             if (capped)
-                                ds = _mm512_mul_ps(ds,
-                                                   _mm512_loadu_ps(capd + rr * AK_FN + 16 * u));
+                                ds = akv_mul(ds,
+                                                   akv_load(capd + rr * AK_FN + 16 * u));
                             if (bf) {
-                                _mm512_storeu_ps(tp[r] + 16 * u, p);
-                                _mm512_storeu_ps(tds[r] + 16 * u, ds);
+                                akv_store(tp[r] + 16 * u, p);
+                                akv_store(tds[r] + 16 * u, ds);
                             } else {
-                                _mm512_storeu_ps(pb + rr * AK_FN + 16 * u, p);
-                                _mm512_storeu_ps(dsb + rr * AK_FN + 16 * u, ds);
+                                akv_store(pb + rr * AK_FN + 16 * u, p);
+                                akv_store(dsb + rr * AK_FN + 16 * u, ds);
                             }
                         }
                     }
@@ -1326,26 +1221,26 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
                         for (int r = 0; r < AK_FR; r += 2) {
                             const int64_t rp = (r0 + r) / 2;
                             for (int u = 0; u < 4; u++) {
-                                const __m512i pa = _mm512_cvtepu16_epi32(
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tp[r] + 16 * u)));
-                                const __m512i pb2 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_loadu_ps(tp[r + 1] + 16 * u)));
-                                _mm512_storeu_si512((void *)(ptrp + rp * AK_FN + 16 * u),
-                                                    _mm512_or_si512(pa, _mm512_slli_epi32(pb2, 16)));
-                                const __m512i sa = _mm512_cvtepu16_epi32(
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tds[r] + 16 * u)));
-                                const __m512i sb = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_loadu_ps(tds[r + 1] + 16 * u)));
-                                _mm512_storeu_si512((void *)(dstrp + rp * AK_FN + 16 * u),
-                                                    _mm512_or_si512(sa, _mm512_slli_epi32(sb, 16)));
+                                const akvi pa = akvi_from_u16(
+                                    (__m256i)_mm512_cvtneps_pbh(akv_load(tp[r] + 16 * u)));
+                                const akvi pb2 = akvi_from_u16((__m256i)_mm512_cvtneps_pbh(
+                                    akv_load(tp[r + 1] + 16 * u)));
+                                akvi_store((void *)(ptrp + rp * AK_FN + 16 * u),
+                                                    akvi_or(pa, akvi_slli(pb2, 16)));
+                                const akvi sa = akvi_from_u16(
+                                    (__m256i)_mm512_cvtneps_pbh(akv_load(tds[r] + 16 * u)));
+                                const akvi sb = akvi_from_u16((__m256i)_mm512_cvtneps_pbh(
+                                    akv_load(tds[r + 1] + 16 * u)));
+                                akvi_store((void *)(dstrp + rp * AK_FN + 16 * u),
+                                                    akvi_or(sa, akvi_slli(sb, 16)));
                             }
                             for (int q2 = 0; q2 < 2; q2++)
                                 for (int u = 0; u < 4; u += 2)
-                                    _mm512_storeu_si512(
+                                    akvi_store(
                                         (void *)(dsp + (r0 + r + q2) * (AK_FN / 2) + 8 * u),
-                                        (__m512i)_mm512_cvtne2ps_pbh(
-                                            _mm512_loadu_ps(tds[r + q2] + 16 * u + 16),
-                                            _mm512_loadu_ps(tds[r + q2] + 16 * u)));
+                                        (akvi)_mm512_cvtne2ps_pbh(
+                                            akv_load(tds[r + q2] + 16 * u + 16),
+                                            akv_load(tds[r + q2] + 16 * u)));
                         }
 #endif
                 }
@@ -1370,14 +1265,14 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
             for (int64_t r = 0; r < nrows; r++) {
                 float *dst = dqw + (i0 + r) * d;
                 for (int64_t c = 0; c < d; c += 16)
-                    _mm512_storeu_ps(dst + c, _mm512_fmadd_ps(_mm512_loadu_ps(dqt + r * d + c),
-                                                              sc, _mm512_loadu_ps(dst + c)));
+                    akv_store(dst + c, akv_fmadd(akv_load(dqt + r * d + c),
+                                                              sc, akv_load(dst + c)));
             }
         }
     }
     /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul) (bf16dot: q as given, so scale);
      * dV as accumulated */
-    const __m512 kf = _mm512_set1_ps(bf ? a->scale : a->scale / qmul);
+    const akv kf = akv_set1(bf ? a->scale : a->scale / qmul);
     for (int64_t b = 0; b < nb; b++) {
         const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
         const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
@@ -1388,9 +1283,9 @@ static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_
             char *dk = (char *)gr->dk + (row0 + jj) * d * ge;
             char *dvo = (char *)gr->dv + (row0 + jj) * dv * ge;
             for (int64_t c = 0; c < d; c += 16)
-                ak_store_row16(dk, gt, c, _mm512_mul_ps(_mm512_loadu_ps(dks + jj * d + c), kf));
+                ak_store_row16(dk, gt, c, akv_mul(akv_load(dks + jj * d + c), kf));
             for (int64_t c = 0; c < dv; c += 16)
-                ak_store_row16(dvo, gt, c, _mm512_loadu_ps(dvs + jj * dv + c));
+                ak_store_row16(dvo, gt, c, akv_load(dvs + jj * dv + c));
         }
     }
 }
@@ -1437,13 +1332,13 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
     while (ak_next_block(&ctx->next, 256, rows, &r0, &r1)) {
         if (ctx->phase == 0) {
             for (int64_t r = r0; r < r1; r++) {
-                __m512 acc = _mm512_setzero_ps();
+                akv acc = akv_zero();
                 const char *o = (const char *)g->out + r * dv * oe;
                 const char *dd = (const char *)g->dout + r * dv * de;
                 for (int64_t c = 0; c < dv; c += 16)
-                    acc = _mm512_fmadd_ps(ak_load_row16(o, g->out_dtype, c),
+                    acc = akv_fmadd(ak_load_row16(o, g->out_dtype, c),
                                           ak_load_row16(dd, g->dout_dtype, c), acc);
-                g->delta[r] = _mm512_reduce_add_ps(acc) - (g->dlse ? g->dlse[r] : 0.0f);
+                g->delta[r] = akv_reduce_add(acc) - (g->dlse ? g->dlse[r] : 0.0f);
             }
             for (int64_t t = 0; t < a->threads; t++)
                 memset(g->dq + (t * rows + r0) * d, 0, (size_t)((r1 - r0) * d) * 4);
@@ -1452,14 +1347,14 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
                 const float *src = g->dq + (t * rows + r0) * d;
                 float *dst = g->dq + r0 * d;
                 for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
-                    _mm512_storeu_ps(dst + e, _mm512_add_ps(_mm512_loadu_ps(dst + e),
-                                                            _mm512_loadu_ps(src + e)));
+                    akv_store(dst + e, akv_add(akv_load(dst + e),
+                                                            akv_load(src + e)));
             }
             if (g->grad_dtype != 0) {
                 const float *sum = g->dq + r0 * d;
                 char *dst = (char *)g->dq_out + r0 * d * 2;
                 for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
-                    ak_store_row16(dst, g->grad_dtype, e, _mm512_loadu_ps(sum + e));
+                    ak_store_row16(dst, g->grad_dtype, e, akv_load(sum + e));
             }
         }
     }
@@ -1530,12 +1425,4 @@ int attnkit_flash_has_bf16dot(void) {
 #endif
 }
 /* the kernel's vector width in bits: 512 (AVX-512), 256 (AVX2 + FMA), 0 (not built) */
-int attnkit_flash_available(void) {
-#if defined(__AVX512F__)
-    return 512;
-#elif defined(AK_FLASH_SIMD)
-    return 256;
-#else
-    return 0;
-#endif
-}
+int attnkit_flash_available(void) { return AKV_BITS; }

@@ -1,12 +1,15 @@
 /* attnkit native kernels: float32 vector math shared by decode.c, softcap.c and terms.c
  * (GCC/Clang vector extensions, so any target gets them): 16-lane vectors (ak_vf; one register
- * each on AVX-512 machines) and the native vector of one register (ak_vn).
+ * each on AVX-512 machines) and the native vector of one register (ak_vn, simd.h's akr), with
+ * simd.h's exp and tanh.
  */
 #ifndef ATTNKIT_VECMATH_H
 #define ATTNKIT_VECMATH_H
 
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 /* 64-byte vectors on a target without AVX-512 (the portable build): GCC notes that passing
@@ -42,13 +45,9 @@ AK_INLINE ak_vu32 ak_bf16_bits(ak_vf f) {
 
 /* The native vector: AK_N float32 lanes, one register: 16 with AVX-512, else 8 (AVX2's
  * 256-bit registers: GCC keeps the 16-lane vectors of such a target in memory and compares
- * them lane by lane). The math below is written once, for it (the _n functions); the 16-lane
- * forms apply it to each of their AK_NB registers' worth. */
-#ifdef __AVX512F__
-#define AK_N 16
-#else
-#define AK_N 8
-#endif
+ * them lane by lane). exp and tanh are simd.h's on it (the _n functions); the 16-lane forms
+ * apply them to each of their AK_NB registers' worth. */
+#define AK_N AKR_LANES /* (simd.h's register) */
 #define AK_NB (AK_W / AK_N)
 
 typedef float ak_vn __attribute__((vector_size(4 * AK_N)));
@@ -65,42 +64,11 @@ AK_INLINE ak_vn selectn(ak_vni m, ak_vn a, ak_vn b) {
     return (ak_vn)(((ak_vni)a & m) | ((ak_vni)b & ~m));
 }
 
-/* exp(x) for x <= 0 (scores minus their running max): 2^n * p(r) with x = n ln2 + r,
- * |r| <= ln2 / 2; relative error below 2e-7. 0 for x < -87 (where the true value is below
- * float32's normal range) and for x = -inf; NaN for x = NaN (r, hence the polynomial, is NaN
- * whatever the exponent bits; decode.c relies on it). */
-AK_INLINE ak_vn exp_nonpos_n(ak_vn x) {
-    const ak_vni under = x < splatn(-87.0f);
-    const ak_vn xc = selectn(under, splatn(-87.0f), x);
-    const ak_vn magic = splatn(12582912.0f); /* 1.5 * 2^23: adding it rounds to integer */
-    const ak_vn n = (xc * 1.44269504088896341f + magic) - magic;
-    ak_vn r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    ak_vn p = splatn(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const ak_vni e = (__builtin_convertvector(n, ak_vni) + 127) << 23;
-    return selectn(under, splatn(0.0f), p * (ak_vn)e);
-}
-
-/* tanh(x): an odd Taylor polynomial near 0, (1 - E) / (1 + E) with E = e^{-2|x|} elsewhere
- * (one exp, one division); absolute error about 1e-7. */
-AK_INLINE ak_vn tanh_approx_n(ak_vn x) {
-    const ak_vni sign = (ak_vni)x & (ak_vni)splatn(-0.0f);
-    ak_vn ax = (ak_vn)((ak_vni)x & ~(ak_vni)splatn(-0.0f));
-    ax = selectn(ax > splatn(9.0f), splatn(9.0f), ax);
-    const ak_vn e = exp_nonpos_n(-2.0f * ax);
-    const ak_vn big = (1.0f - e) / (1.0f + e);
-    const ak_vn x2 = ax * ax;
-    const ak_vn small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f
-                                                                + x2 * (-17.0f / 315.0f))));
-    const ak_vn t = selectn(ax < splatn(0.125f), small, big);
-    return (ak_vn)((ak_vni)t | sign);
-}
+/* exp(x) for x <= 0 (scores minus their running max), relative error below 2e-7, and tanh(x),
+ * absolute error about 1e-7: simd.h's (akr_exp_nonpos, akr_tanh_fine; their -inf and NaN
+ * handling there: decode.c relies on NaN staying NaN) */
+AK_INLINE ak_vn exp_nonpos_n(ak_vn x) { return (ak_vn)akr_exp_nonpos((akr)x); }
+AK_INLINE ak_vn tanh_approx_n(ak_vn x) { return (ak_vn)akr_tanh_fine((akr)x); }
 
 /* F (an _n function) on each native register's worth of the 16 lanes of x */
 #define AK_ON_EACH(F, x)                                                                   \
