@@ -63,6 +63,9 @@
 #if AKV_BITS
 #include "fp8.h"
 
+/* a function on the hot path, split out for reading only: always inlined (the same code) */
+#define AK_HOT static inline __attribute__((always_inline))
+
 static inline akv ak_load_row16(const void *p, int dtype, int64_t i) {
     if (dtype == 0) return akv_load((const float *)p + i);
     const akvh h = akvh_load((const uint16_t *)p + i);
@@ -253,6 +256,40 @@ static inline void ak_tn_bf(float *acc, int64_t cols, const uint32_t *xp, const 
         }
     }
 }
+/* 64 weights p[0..3] as bfloat16 (rounded to nearest even) at pr */
+static inline void ak_store_bf16x64(uint16_t *pr, const __m512 p[4]) {
+    _mm512_storeu_si512((void *)pr, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    _mm512_storeu_si512((void *)(pr + 32), (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+}
+
+/* P and dS of group rows r0 .. r0 + 3 (tp, tds) in bfloat16: as row pairs (ptrp, dstrp, for
+ * dV and dK) and as rows (dsp, for dQ) */
+static inline void ak_pds_bf(float tp[AK_FR][AK_FN], float tds[AK_FR][AK_FN], int64_t r0,
+                             uint32_t *ptrp, uint32_t *dstrp, uint32_t *dsp) {
+    for (int r = 0; r < AK_FR; r += 2) {
+        const int64_t rp = (r0 + r) / 2;
+        for (int u = 0; u < 4; u++) {
+            const __m512i pa = _mm512_cvtepu16_epi32(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tp[r] + 16 * u)));
+            const __m512i pb2 = _mm512_cvtepu16_epi32(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tp[r + 1] + 16 * u)));
+            _mm512_storeu_si512((void *)(ptrp + rp * AK_FN + 16 * u),
+                                _mm512_or_si512(pa, _mm512_slli_epi32(pb2, 16)));
+            const __m512i sa = _mm512_cvtepu16_epi32(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tds[r] + 16 * u)));
+            const __m512i sb = _mm512_cvtepu16_epi32(
+                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tds[r + 1] + 16 * u)));
+            _mm512_storeu_si512((void *)(dstrp + rp * AK_FN + 16 * u),
+                                _mm512_or_si512(sa, _mm512_slli_epi32(sb, 16)));
+        }
+        for (int q2 = 0; q2 < 2; q2++)
+            for (int u = 0; u < 4; u += 2)
+                _mm512_storeu_si512((void *)(dsp + (r0 + r + q2) * (AK_FN / 2) + 8 * u),
+                                    (__m512i)_mm512_cvtne2ps_pbh(
+                                        _mm512_loadu_ps(tds[r + q2] + 16 * u + 16),
+                                        _mm512_loadu_ps(tds[r + q2] + 16 * u)));
+    }
+}
 #endif
 
 /* 16 columns of rows a and b (bfloat16 bits) as 16 pairs (a[c], b[c]) */
@@ -327,20 +364,17 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
         for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
             akvi r[16];
             for (int i = 0; i < 16; i++) {
-                r[i] = j16 + i < nk ? akvi_load(
-                                          (const void *)((const uint32_t *)kr[j16 + i] + c0))
-                                    : akvi_zero();
-                bad |= akvi_bf16_nonfinite(r[i]) != 0;
+                r[i] = j16 + i < nk ? akvi_load((const uint32_t *)kr[j16 + i] + c0) : akvi_zero();
+                bad |= akvi_bf16_nonfinite(r[i]);
             }
             ak_transpose16(r);
             for (int i = 0; i < 16; i++)
-                akvi_store((void *)(kd + (c0 + i) * AK_FN + j16), r[i]);
+                akvi_store(kd + (c0 + i) * AK_FN + j16, r[i]);
         }
 #else
     for (int64_t jj = 0; jj < nk; jj++)
         for (int64_t c = 0; c < d; c += 32)
-            bad |= akvi_bf16_nonfinite(akvi_load(
-                       (const void *)((const uint16_t *)kr[jj] + c))) != 0;
+            bad |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)kr[jj] + c));
     for (int64_t c = 0; c < d / 2; c++)
         for (int64_t jj = 0; jj < AK_FN; jj++)
             kd[c * AK_FN + jj] = jj < nk ? ((const uint32_t *)kr[jj])[c] : 0u;
@@ -350,11 +384,9 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
         const uint16_t *r0 = (const uint16_t *)vr[2 * jp];
         const uint16_t *r1 = (const uint16_t *)vr[2 * jp + odd];
         for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-            const akvi both = odd ? ak_pair16(r0 + c0, r1 + c0)
-                                     : akvi_from_u16(
-                                           akvh_load(r0 + c0));
-            bad |= akvi_bf16_nonfinite(both) != 0;
-            akvi_store((void *)(vd + jp * dv + c0), both);
+            const akvi both = odd ? ak_pair16(r0 + c0, r1 + c0) : akvi_from_u16(akvh_load(r0 + c0));
+            bad |= akvi_bf16_nonfinite(both);
+            akvi_store(vd + jp * dv + c0, both);
         }
     }
     return bad;
@@ -402,8 +434,7 @@ static void ak_stage_fp8(const ak_flash_args *a, const float *desc, int64_t n, i
         const akv sc = akv_set1(desc[pages[(j0 + jj) / a->page] * a->Hkv + h] * unit);
         char *dst = buf + jj * AK_FD * esz;
         for (int64_t c0 = 0; c0 < c; c0 += 16) {
-            const akv x = akv_from_f16(ak_fp8_half16((const uint8_t *)rows[jj] + c0,
-                                                           a->fp8));
+            const akv x = akv_from_f16(ak_fp8_half16((const uint8_t *)rows[jj] + c0, a->fp8));
             ak_store_row16(dst, a->dtype, c0, akv_mul(x, sc));
         }
         rows[jj] = dst;
@@ -474,8 +505,7 @@ static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, fl
     if (a->alibi) {
         const akv ip = akv_set1(ipf), sl = akv_set1(slope);
         for (int u = 0; u < 4; u++) {
-            const akv jf = akv_from_i(
-                akvi_add(iota, akvi_set1(j0 + 16 * u)));
+            const akv jf = akv_from_i(akvi_add(iota, akvi_set1(j0 + 16 * u)));
             s[u] = akv_fnmadd(sl, akv_abs(akv_sub(ip, jf)), s[u]);
         }
     }
@@ -487,9 +517,7 @@ static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, fl
             const akvi j = akvi_add(iota, akvi_set1(j0 + 16 * u));
             akvm vis = akvi_ge(j, a0) & akvi_lt(j, a1);
             if (kseg != NULL)
-                vis &= akvi_eq(
-                    akvi_load((const void *)(kseg + j0 + 16 * u)),
-                    akvi_set1(qsg));
+                vis &= akvi_eq(akvi_load(kseg + j0 + 16 * u), akvi_set1(qsg));
             s[u] = akv_blend(vis, akv_set1(-INFINITY), s[u]);
         }
     }
@@ -637,190 +665,255 @@ static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_
     }
 }
 
-static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
-                        int64_t i1, int worker) {
-    const int64_t d = a->d, dv = a->dv, Lk = ak_keys_of(a, n); /* (row n's keys) */
-    const int64_t hk = h / (a->Hq / a->Hkv);
-    const int64_t nrows = i1 - i0;
-    const int64_t groups = (nrows + AK_FR - 1) / AK_FR;
-    const int64_t padded = groups * AK_FR;
+/* One forward item: a query block (rows i0 .. i0 + nrows - 1 of batch row n, query head h) on
+ * the scratch of one worker, with its rows' running state */
+typedef struct {
+    const ak_flash_args *a;
+    int64_t n, h, i0, nrows, groups, Lk; /* (Lk: row n's keys) */
+    float qmul;             /* the scale on q (log2(e) in it, unless softcap comes first) */
+    int fold;               /* the scale in the weights' exponent instead (see ak_fwd_begin) */
+    float slope;            /* ALiBi's */
+    const float *rel;       /* the relative table at key 0 of row 0, or NULL */
+    const int32_t *kseg;    /* the keys' segment ids, or NULL */
+    float *qbuf, *obuf, *pbuf; /* q rows (scaled; bf16dot: raw pairs), outputs, weights */
+    const float *ktb, *vb;  /* the packed key blocks of (n, kv head), and its values */
+    int64_t vstride;
+    float m[AK_FM], l[AK_FM], alpha[AK_FM]; /* running maxima (base 2), sums, block rescales */
+    int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM]; /* visible keys [lo, hi), segment ids */
+    float ipf[AK_FM];       /* positions (ALiBi) */
+} ak_fwd_it;
+
+/* The item's constants: scale, terms, buffers, where its keys and values are */
+static void ak_fwd_begin(ak_fwd_it *t, const ak_flash_args *a, int64_t nkb, int64_t n,
+                         int64_t h, int64_t i0, int64_t i1, int worker) {
     static const float LOG2E = 1.4426950408889634f;
+    const int64_t d = a->d, dv = a->dv, hk = h / (a->Hq / a->Hkv);
     const int capped = a->softcap > 0.0f;
-    const float qmul = capped ? a->scale : a->scale * LOG2E;
+    t->a = a, t->n = n, t->h = h, t->i0 = i0, t->nrows = i1 - i0;
+    t->groups = (t->nrows + AK_FR - 1) / AK_FR;
+    t->Lk = ak_keys_of(a, n);
+    t->qmul = capped ? a->scale : a->scale * LOG2E;
     /* bfloat16 dot products give unscaled scores: with no score term to add, the scale goes
      * into the weights' exponent (one multiply-subtract) and the maxima (four rows at once) */
-    const int fold = a->bf16dot && !capped && a->alibi == NULL && a->rel == NULL && qmul > 0.0f;
-    float *qbuf = a->ws + (int64_t)worker * AK_WS_FWD;
-    float *obuf = qbuf + AK_FM * AK_FD, *pbuf = obuf + AK_FM * AK_FD;
-    float m[AK_FM], l[AK_FM];
-    int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM];
-    float ipf[AK_FM];
+    t->fold = a->bf16dot && !capped && a->alibi == NULL && a->rel == NULL && t->qmul > 0.0f;
+    t->slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
+    t->rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
+    t->kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
+    t->qbuf = a->ws + (int64_t)worker * AK_WS_FWD;
+    t->obuf = t->qbuf + AK_FM * AK_FD, t->pbuf = t->obuf + AK_FM * AK_FD;
+    t->ktb = a->kt + (n * a->Hkv + hk) * nkb * d * AK_FN / (a->bf16dot ? 2 : 1);
+    if (a->bf16dot) {
+        t->vb = a->vf + (n * a->Hkv + hk) * ((a->Lk + 1) / 2) * dv;
+        t->vstride = dv;
+    } else if (a->vf != NULL) {
+        t->vb = a->vf + (n * a->Hkv + hk) * a->Lk * dv;
+        t->vstride = dv;
+    } else {
+        t->vb = (const float *)a->v + n * a->vs[0] + hk * a->vs[1];
+        t->vstride = a->vs[2];
+    }
+}
+
+/* The item's rows: q into qbuf, visible keys, segment ids and positions (a padding row past
+ * nrows sees nothing), running maxima, sums and outputs cleared. Returns the key blocks
+ * [*kb0, *kb1) that some row sees. */
+static void ak_fwd_rows_in(ak_fwd_it *t, int64_t *kb0, int64_t *kb1) {
+    const ak_flash_args *a = t->a;
+    const int64_t d = a->d, dv = a->dv, n = t->n;
     const size_t esz = a->dtype == 0 ? 4 : 2;
     const int64_t ebuf = a->bf16dot ? 2 : 4; /* bytes an element of a Q or P row of qbuf/pbuf */
-    const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
+    const char *qbase = (const char *)a->q + (n * a->qs[0] + t->h * a->qs[1]) * esz;
     int32_t kmin = INT32_MAX, kmax = 0;
-    for (int64_t r = 0; r < padded; r++) {
-        m[r] = -INFINITY, l[r] = 0.0f;
-        if (r < nrows) {
-            const int64_t i = i0 + r;
+    for (int64_t r = 0; r < t->groups * AK_FR; r++) {
+        t->m[r] = -INFINITY, t->l[r] = 0.0f;
+        if (r < t->nrows) {
+            const int64_t i = t->i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
             akvm badq = 0;
             if (a->bf16dot) {
-                memcpy(qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
+                memcpy(t->qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
                 for (int64_t c = 0; c < d; c += 32)
-                    badq |= akvi_bf16_nonfinite(akvi_load(
-                                (const void *)((const uint16_t *)qr + c))) != 0;
+                    badq |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)qr + c));
             } else {
                 for (int64_t c = 0; c < d; c += 16) {
                     const akv x = ak_load_row16(qr, a->dtype, c);
                     badq |= ak_nonfinite(x);
-                    akv_store(qbuf + r * d + c, akv_mul(x, akv_set1(qmul)));
+                    akv_store(t->qbuf + r * d + c, akv_mul(x, akv_set1(t->qmul)));
                 }
             }
             if (badq) ak_flag_bad(a);
             int32_t a0 = a->lo[n * a->bounds_bstride + i], a1 = a->hi[n * a->bounds_bstride + i];
             if (a0 < 0) a0 = 0;
-            if (a1 > Lk) a1 = (int32_t)Lk;
-            lo[r] = a0, hi[r] = a1;
+            if (a1 > t->Lk) a1 = (int32_t)t->Lk;
+            t->lo[r] = a0, t->hi[r] = a1;
             if (a0 < a1) {
                 kmin = a0 < kmin ? a0 : kmin;
                 kmax = a1 > kmax ? a1 : kmax;
             }
-            qs[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
-            ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
+            t->qs[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
+            t->ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
         } else {
-            memset((char *)qbuf + r * d * ebuf, 0, (size_t)(d * ebuf));
-            lo[r] = 0, hi[r] = 0, qs[r] = 0, ipf[r] = 0.0f;
+            memset((char *)t->qbuf + r * d * ebuf, 0, (size_t)(d * ebuf));
+            t->lo[r] = 0, t->hi[r] = 0, t->qs[r] = 0, t->ipf[r] = 0.0f;
         }
-        memset(obuf + r * dv, 0, (size_t)dv * 4);
+        memset(t->obuf + r * dv, 0, (size_t)dv * 4);
     }
-    const float *ktb = a->kt + (n * a->Hkv + hk) * nkb * d * AK_FN / (a->bf16dot ? 2 : 1);
-    const float *vb;
-    int64_t vstride;
-    if (a->bf16dot) {
-        vb = a->vf + (n * a->Hkv + hk) * ((a->Lk + 1) / 2) * dv;
-        vstride = dv;
-    } else if (a->vf != NULL) {
-        vb = a->vf + (n * a->Hkv + hk) * a->Lk * dv;
-        vstride = dv;
+    *kb0 = kmax > kmin ? kmin / AK_FN : 0;
+    *kb1 = kmax > kmin ? (kmax + AK_FN - 1) / AK_FN : 0;
+}
+
+/* Whether the group's rows see key block j0 (nk keys): any of them some key (the return),
+ * and every row all AK_FN keys (*full), the segments aside */
+static inline int ak_group_sees(const int32_t *lo, const int32_t *hi, int32_t j0, int64_t nk,
+                                int *full) {
+    int any = 0;
+    *full = 1;
+    for (int r = 0; r < AK_FR; r++) {
+        any |= lo[r] < hi[r] && lo[r] < j0 + nk && hi[r] > j0;
+        *full &= lo[r] <= j0 && hi[r] >= j0 + AK_FN;
+    }
+    return any;
+}
+
+/* Whether every key of block j0 is in the segment of each of the group's rows (qs) */
+static inline int ak_fwd_same_segment(const int32_t *kseg, const int32_t *qs, int32_t j0) {
+    for (int r = 0; r < AK_FR; r++)
+        for (int64_t jj = 0; jj < AK_FN; jj++)
+            if (kseg[j0 + jj] != qs[r]) return 0;
+    return 1;
+}
+
+/* The scores of group rows r0 .. r0 + 3 on key block kt, scaled (but with fold) */
+AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, akv s[AK_FR][4]) {
+    const int64_t d = t->a->d;
+#ifdef AK_FLASH_BF16
+    if (t->a->bf16dot) {
+        ak_scores_bf((const uint32_t *)t->qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt, s);
+        if (!t->fold) {
+            const akv qm = akv_set1(t->qmul);
+            for (int r = 0; r < AK_FR; r++)
+                for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
+        }
+        return;
+    }
+#endif
+    ak_scores(t->qbuf + r0 * d, d, kt, s);
+}
+
+/* The group's four rows together, from the maxima of their scores' lanes (rv): their maxima
+ * in one 4-row reduction, the new running maxima and rescales (alpha) as one vector; each
+ * row's base for its weights into bs (a row that sees nothing yet keeps weight 0 on base 0:
+ * its scores are all -inf). Returns the rescales. */
+AK_HOT akv4 ak_fwd_new_max(ak_fwd_it *t, int64_t r0, const akv rv[AK_FR], float bs[AK_FR]) {
+    akv4 mx = akv_rows4_max(rv[0], rv[1], rv[2], rv[3]);
+    if (t->fold) mx = akv4_mul(mx, akv4_set1(t->qmul));
+    const akv4 mold = akv4_load(t->m + r0);
+    const akv4 mnew = akv4_max(mx, mold);
+    const akv4 base = akv4_select(akv4_eq(mnew, akv4_set1(-INFINITY)), akv4_set1(0.0f), mnew);
+    const akv4 al = akv4_exp2(akv4_sub(mold, base));
+    akv4_store(t->m + r0, mnew);
+    akv4_store(t->alpha + r0, al);
+    akv4_store(bs, base);
+    return al;
+}
+
+/* Row rr's weights on key block j0, 2^(s - base) (bfloat16 dot products: to bfloat16's
+ * precision), into pbuf, the ones the dropout drops as 0. Returns their sums by lane (every
+ * weight: the softmax sums them all; P V only the kept ones). */
+AK_HOT akv ak_fwd_weights(const ak_fwd_it *t, const akv s[4], float base, int32_t j0,
+                          int64_t rr) {
+    const ak_flash_args *a = t->a;
+    akv p[4];
+    if (t->fold) {
+        const akv qm = akv_set1(t->qmul), nb = akv_set1(-base);
+        for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_fmadd(s[u], qm, nb));
+    } else if (a->bf16dot) {
+        const akv mb = akv_set1(base);
+        for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_sub(s[u], mb));
     } else {
-        vb = (const float *)a->v + n * a->vs[0] + hk * a->vs[1];
-        vstride = a->vs[2];
+        const akv mb = akv_set1(base);
+        for (int u = 0; u < 4; u++) p[u] = akv_exp2(akv_sub(s[u], mb));
     }
-    const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
-    const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
-    const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
-    const int64_t kb0 = kmax > kmin ? kmin / AK_FN : 0;
-    const int64_t kb1 = kmax > kmin ? (kmax + AK_FN - 1) / AK_FN : 0;
+    const akv sum = akv_add(akv_add(p[0], p[1]), akv_add(p[2], p[3]));
+    if (a->dropout) {
+        akvm keep[4];
+        ak_keep64(a, j0, t->i0 + rr, (uint32_t)(t->h + (t->n << 16)), keep);
+        for (int u = 0; u < 4; u++) p[u] = akv_maskz(keep[u], p[u]);
+    }
+#ifdef AK_FLASH_BF16
+    if (a->bf16dot) {
+        ak_store_bf16x64((uint16_t *)t->pbuf + rr * AK_FN, p);
+        return sum;
+    }
+#endif
+    for (int u = 0; u < 4; u++) akv_store(t->pbuf + rr * AK_FN + 16 * u, p[u]);
+    return sum;
+}
+
+/* Group rows r0 .. r0 + 3 on key block kt (keys j0 ..): scores and their terms, the online
+ * softmax's new maxima, rescales and sums, the weights into pbuf */
+AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, int full) {
+    akv s[AK_FR][4], rv[AK_FR];
+    float bs[AK_FR];
+    ak_fwd_scores(t, kt, r0, s);
+    for (int r = 0; r < AK_FR; r++) {
+        const int64_t rr = r0 + r;
+        ak_row_terms(t->a, s[r], j0, t->ipf[rr], t->slope,
+                     t->rel != NULL ? t->rel + j0 - rr : NULL, t->lo[rr], t->hi[rr], t->kseg,
+                     t->qs[rr], full, NULL);
+        rv[r] = akv_max(akv_max(s[r][0], s[r][1]), akv_max(s[r][2], s[r][3]));
+    }
+    const akv4 al = ak_fwd_new_max(t, r0, rv, bs);
+    for (int r = 0; r < AK_FR; r++) rv[r] = ak_fwd_weights(t, s[r], bs[r], j0, r0 + r);
+    const akv4 sum = akv_rows4_add(rv[0], rv[1], rv[2], rv[3]);
+    akv4_store(t->l + r0, akv4_add(akv4_mul(akv4_load(t->l + r0), al), sum));
+}
+
+/* O = O * alpha + P V for the live groups on key block j0 (nk keys) */
+AK_HOT void ak_fwd_pv(const ak_fwd_it *t, const uint8_t *live, int32_t j0, int64_t nk) {
+    const int64_t dv = t->a->dv;
+    for (int64_t g = 0; g < t->groups; g++) {
+        if (!live[g]) continue;
+        const int64_t r0 = g * AK_FR;
+#ifdef AK_FLASH_BF16
+        if (t->a->bf16dot) {
+            ak_pv_bf(t->obuf + r0 * dv, dv, t->alpha + r0,
+                     (const uint32_t *)t->pbuf + r0 * (AK_FN / 2),
+                     (const uint32_t *)t->vb + (j0 / 2) * dv, (nk + 1) / 2);
+            continue;
+        }
+#endif
+        ak_pv(t->obuf + r0 * dv, dv, t->alpha + r0, t->pbuf + r0 * AK_FN,
+              t->vb + j0 * t->vstride, t->vstride, nk);
+    }
+}
+
+/* One query block of (batch row n, query head h): every key block some row sees, group by
+ * group, then the rows' outputs */
+static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
+                        int64_t i1, int worker) {
+    ak_fwd_it t;
+    int64_t kb0, kb1;
+    ak_fwd_begin(&t, a, nkb, n, h, i0, i1, worker);
+    ak_fwd_rows_in(&t, &kb0, &kb1);
     for (int64_t kb = kb0; kb < kb1; kb++) {
         const int32_t j0 = (int32_t)(kb * AK_FN);
-        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-        const float *kt = ktb + kb * d * AK_FN / (a->bf16dot ? 2 : 1);
-        float alpha[AK_FM];
+        const int64_t nk = t.Lk - j0 < AK_FN ? t.Lk - j0 : AK_FN;
+        const float *kt = t.ktb + kb * a->d * AK_FN / (a->bf16dot ? 2 : 1);
         uint8_t live[AK_FM / AK_FR];
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g = 0; g < t.groups; g++) {
             const int64_t r0 = g * AK_FR;
-            int any = 0, full = 1;
-            live[g] = 0;
-            for (int r = 0; r < AK_FR; r++) {
-                const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
-                any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
-                full &= a0 <= j0 && a1 >= j0 + AK_FN;
-            }
-            if (!any) continue;
-            live[g] = 1;
-            if (kseg != NULL && full) {
-                for (int r = 0; r < AK_FR && full; r++)
-                    for (int64_t jj = 0; jj < AK_FN; jj++)
-                        if (kseg[j0 + jj] != qs[r0 + r]) {
-                            full = 0;
-                            break;
-                        }
-            }
-            akv s[AK_FR][4];
-#ifdef AK_FLASH_BF16
-            if (a->bf16dot) {
-                ak_scores_bf((const uint32_t *)qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
-                             s);
-                if (!fold) {
-                    const akv qm = akv_set1(qmul);
-                    for (int r = 0; r < AK_FR; r++)
-                        for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
-                }
-            } else
-#endif
-                ak_scores(qbuf + r0 * d, d, kt, s);
-            /* the group's four rows together: their maxima in one 4-row reduction, the new
-             * running maxima and rescales as one vector (a row that sees nothing yet keeps
-             * weight 0 on base 0: its scores are all -inf) */
-            akv rv[AK_FR];
-            for (int r = 0; r < AK_FR; r++) {
-                const int64_t rr = r0 + r;
-                ak_row_terms(a, s[r], j0, ipf[rr], slope, rel != NULL ? rel + j0 - rr : NULL,
-                             lo[rr], hi[rr], kseg, qs[rr], full, NULL);
-                rv[r] = akv_max(akv_max(s[r][0], s[r][1]),
-                                      akv_max(s[r][2], s[r][3]));
-            }
-            akv4 mx = akv_rows4_max(rv[0], rv[1], rv[2], rv[3]);
-            if (fold) mx = akv4_mul(mx, akv4_set1(qmul));
-            const akv4 mold = akv4_load(m + r0);
-            const akv4 mnew = akv4_max(mx, mold);
-            const akv4 base = akv4_select(akv4_eq(mnew, akv4_set1(-INFINITY)), akv4_set1(0.0f),
-                                          mnew);
-            const akv4 al = akv4_exp2(akv4_sub(mold, base));
-            float bs[AK_FR];
-            akv4_store(m + r0, mnew);
-            akv4_store(alpha + r0, al);
-            akv4_store(bs, base);
-            for (int r = 0; r < AK_FR; r++) {
-                const int64_t rr = r0 + r;
-                akv p[4];
-                if (fold) {
-                    const akv qm = akv_set1(qmul), nb = akv_set1(-bs[r]);
-                    for (int u = 0; u < 4; u++)
-                        p[u] = akv_exp2_bf(akv_fmadd(s[r][u], qm, nb));
-                } else if (a->bf16dot) {
-                    const akv mb = akv_set1(bs[r]);
-                    for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_sub(s[r][u], mb));
-                } else {
-                    const akv mb = akv_set1(bs[r]);
-                    for (int u = 0; u < 4; u++) p[u] = akv_exp2(akv_sub(s[r][u], mb));
-                }
-                rv[r] = akv_add(akv_add(p[0], p[1]), akv_add(p[2], p[3]));
-                if (a->dropout) { /* the softmax sums every weight; P V only the kept ones */
-                    akvm keep[4];
-                    ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
-                    for (int u = 0; u < 4; u++) p[u] = akv_maskz(keep[u], p[u]);
-                }
-#ifdef AK_FLASH_BF16
-                if (a->bf16dot) {
-                    uint16_t *pr = (uint16_t *)pbuf + rr * AK_FN;
-                    akvi_store((void *)pr, (akvi)_mm512_cvtne2ps_pbh(p[1], p[0]));
-                    akvi_store((void *)(pr + 32),
-                                        (akvi)_mm512_cvtne2ps_pbh(p[3], p[2]));
-                } else
-#endif
-                    for (int u = 0; u < 4; u++) akv_store(pbuf + rr * AK_FN + 16 * u, p[u]);
-            }
-            const akv4 sum = akv_rows4_add(rv[0], rv[1], rv[2], rv[3]);
-            akv4_store(l + r0, akv4_add(akv4_mul(akv4_load(l + r0), al), sum));
+            int full;
+            live[g] = ak_group_sees(t.lo + r0, t.hi + r0, j0, nk, &full);
+            if (!live[g]) continue;
+            if (t.kseg != NULL && full) full = ak_fwd_same_segment(t.kseg, t.qs + r0, j0);
+            ak_fwd_group(&t, kt, r0, j0, full);
         }
         /* P V once every group's weights are written (not read back straight after the
          * stores that wrote them) */
-        for (int64_t g = 0; g < groups; g++) {
-            if (!live[g]) continue;
-            const int64_t r0 = g * AK_FR;
-#ifdef AK_FLASH_BF16
-            if (a->bf16dot)
-                ak_pv_bf(obuf + r0 * dv, dv, alpha + r0, (const uint32_t *)pbuf + r0 * (AK_FN / 2),
-                         (const uint32_t *)vb + (j0 / 2) * dv, (nk + 1) / 2);
-            else
-#endif
-                ak_pv(obuf + r0 * dv, dv, alpha + r0, pbuf + r0 * AK_FN, vb + j0 * vstride,
-                      vstride, nk);
-        }
+        ak_fwd_pv(&t, live, j0, nk);
     }
-    ak_fwd_rows_out(a, n, h, i0, nrows, m, l, obuf);
+    ak_fwd_rows_out(a, n, h, i0, t.nrows, t.m, t.l, t.obuf);
 }
 
 static void ak_fwd_worker(void *vctx, int w, int nw) {
@@ -974,9 +1067,9 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
             for (int64_t c = 0; c < dv / 2; c++) vtp[c * AK_FN + jj] = jj < nk ? vr[c] : 0u;
             if (jj < nk) {
                 for (int64_t c = 0; c < d; c += 32)
-                    bad |= akvi_bf16_nonfinite(akvi_load((const void *)((const uint16_t *)kr + c))) != 0;
+                    bad |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)kr + c));
                 for (int64_t c = 0; c < dv; c += 32)
-                    bad |= akvi_bf16_nonfinite(akvi_load((const void *)((const uint16_t *)vr + c))) != 0;
+                    bad |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)vr + c));
             }
         }
         for (int64_t jp = 0; jp < AK_FN / 2; jp++) {
@@ -986,7 +1079,7 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
             const uint16_t *rb = jb < nk ? (const uint16_t *)(kbase + (j0 + jb) * a->ks[2] * esz)
                                          : zero;
             for (int64_t c = 0; c < d; c += 16)
-                akvi_store((void *)(kp + jp * d + c), ak_pair16(ra + c, rb + c));
+                akvi_store(kp + jp * d + c, ak_pair16(ra + c, rb + c));
         }
         if (bad) ak_flag_bad(a);
         return;
@@ -1013,6 +1106,301 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
     if (badm) ak_flag_bad(a);
 }
 
+/* One backward item, key blocks [kb0, kb0 + nb) of (batch row n, kv head hk) adding into dQ
+ * buffer buf, on the scratch of one worker; and the query block it is on (rows i0 .. i0 +
+ * nrows - 1 of query head h, the g-th of the kv head's group) with its rows' state */
+typedef struct {
+    const ak_flash_args *a;
+    const ak_flash_grads *gr;
+    int64_t n, hk, kb0, nb, buf;
+    float qmul;             /* the scale on q (log2(e) in it, unless softcap comes first) */
+    int capped, bf;         /* softcap; bf16dot */
+    const int32_t *kseg;    /* the keys' segment ids, or NULL */
+    float *kt, *vt, *kn;    /* [AK_SB] K^T, V^T blocks and K rows (float32, or pairs) */
+    float *dkb, *dvb;       /* [AK_SB] the blocks' dK and dV */
+    float *qbuf, *dobuf, *dqt; /* the query block's q (scaled) and dO rows, its dQ tile */
+    float *pb, *dsb, *capd; /* P, dS of the block, 1 - tanh^2 with softcap */
+    /* bfloat16 layouts (bf16dot): raw q and dO rows, their row pairs, P and dS as row pairs
+     * (for dV and dK) and dS rows (for dQ) */
+    uint32_t *qraw, *qrp, *dor, *dorp, *ptrp, *dstrp, *dsp;
+    int64_t h, g, i0, nrows, groups;
+    float slope;            /* ALiBi's */
+    const float *rel;       /* the relative table at key 0 of row 0, or NULL */
+    float *drel;            /* its gradient (this unit's), or NULL */
+    int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM]; /* visible keys [lo, hi), segment ids */
+    float ipf[AK_FM], lsel[AK_FM], dl[AK_FM]; /* positions, lse (base 2), delta */
+} ak_bwd_it;
+
+/* The item's constants and its workspace's layout */
+static void ak_bwd_begin(ak_bwd_it *t, const ak_flash_args *a, const ak_flash_grads *gr,
+                         int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker,
+                         int64_t buf) {
+    static const float LOG2E = 1.4426950408889634f;
+    const int64_t d = a->d, dv = a->dv;
+    t->a = a, t->gr = gr, t->n = n, t->hk = hk, t->kb0 = kb0, t->nb = kb1 - kb0, t->buf = buf;
+    t->capped = a->softcap > 0.0f, t->bf = a->bf16dot;
+    t->qmul = t->capped ? a->scale : a->scale * LOG2E;
+    t->kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
+    t->kt = a->ws + (int64_t)worker * AK_WS_BWD;
+    t->vt = t->kt + AK_SB * AK_FD * AK_FN;
+    t->kn = t->vt + AK_SB * AK_FD * AK_FN;
+    t->dkb = t->kn + AK_SB * AK_FN * AK_FD, t->dvb = t->dkb + AK_SB * AK_FN * AK_FD;
+    t->qbuf = t->dvb + AK_SB * AK_FN * AK_FD, t->dobuf = t->qbuf + AK_FM * AK_FD;
+    t->dqt = t->dobuf + AK_FM * AK_FD;
+    t->pb = t->dqt + AK_FM * AK_FD, t->dsb = t->pb + AK_FM * AK_FN;
+    t->capd = t->dsb + AK_FM * AK_FN;
+    t->qraw = (uint32_t *)t->qbuf, t->qrp = t->qraw + AK_FM * (d / 2);
+    t->dor = (uint32_t *)t->dobuf, t->dorp = t->dor + AK_FM * (dv / 2);
+    t->ptrp = (uint32_t *)t->pb, t->dstrp = (uint32_t *)t->dsb;
+    t->dsp = t->dstrp + AK_FM / 2 * AK_FN;
+}
+
+/* Key block b of the item, packed (ak_bwd_pack); the first key and the count of its keys */
+static inline int32_t ak_bwd_block_keys(const ak_bwd_it *t, int64_t b, int64_t *nk) {
+    const int32_t j0 = (int32_t)((t->kb0 + b) * AK_FN);
+    *nk = t->a->Lk - j0 < AK_FN ? t->a->Lk - j0 : AK_FN;
+    return j0;
+}
+
+/* Query block qb of head h (the g-th of the group): its rows' visible keys. Returns whether
+ * any row sees a key of the item's blocks. */
+static int ak_bwd_bounds(ak_bwd_it *t, int64_t g, int64_t qb) {
+    const ak_flash_args *a = t->a;
+    const int64_t Lk = a->Lk, bb = t->n * a->bounds_bstride;
+    const int32_t jlo = (int32_t)(t->kb0 * AK_FN);
+    const int32_t jhi = (int32_t)((t->kb0 + t->nb) * AK_FN < Lk ? (t->kb0 + t->nb) * AK_FN : Lk);
+    t->g = g, t->h = t->hk * (a->Hq / a->Hkv) + g;
+    t->i0 = qb * AK_FM;
+    t->nrows = (t->i0 + AK_FM < a->Lq ? t->i0 + AK_FM : a->Lq) - t->i0;
+    t->groups = (t->nrows + AK_FR - 1) / AK_FR;
+    int anyb = 0;
+    for (int64_t r = 0; r < t->nrows; r++) {
+        int32_t a0 = a->lo[bb + t->i0 + r], a1 = a->hi[bb + t->i0 + r];
+        if (a0 < 0) a0 = 0;
+        if (a1 > Lk) a1 = (int32_t)Lk;
+        t->lo[r] = a0, t->hi[r] = a1;
+        anyb |= a0 < a1 && a0 < jhi && a1 > jlo;
+    }
+    return anyb;
+}
+
+/* The query block's rows: q and dO (bf16dot: raw, and as row pairs), lse, delta, segment ids
+ * and positions (a padding row past nrows sees nothing); its terms; its dQ tile cleared */
+static void ak_bwd_rows_in(ak_bwd_it *t) {
+    static const float LOG2E = 1.4426950408889634f;
+    const ak_flash_args *a = t->a;
+    const ak_flash_grads *gr = t->gr;
+    const int64_t d = a->d, dv = a->dv, Lq = a->Lq, n = t->n, h = t->h;
+    const int64_t nh = n * a->Hq + h, padded = t->groups * AK_FR;
+    const size_t esz = a->dtype == 0 ? 4 : 2, doe = gr->dout_dtype == 0 ? 4 : 2;
+    const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
+    t->slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
+    t->rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - t->i0 : NULL;
+    t->drel = gr->drel ? gr->drel + ((t->buf * a->N + n) * a->Hkv + t->hk) * gr->drel_wstride +
+                             t->g * a->rel_hstride + a->rel_base - t->i0
+                       : NULL;
+    for (int64_t r = 0; r < padded; r++) {
+        if (r < t->nrows) {
+            const int64_t i = t->i0 + r;
+            const char *qr = qbase + i * a->qs[2] * esz;
+            const char *dor_i = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
+            int badq = 0;
+            if (t->bf) {
+                memcpy(t->qraw + r * (d / 2), qr, (size_t)d * 2);
+                memcpy(t->dor + r * (dv / 2), dor_i, (size_t)dv * 2);
+                for (int64_t c = 0; c < d; c += 32)
+                    badq |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)qr + c));
+            } else {
+                for (int64_t c = 0; c < d; c += 16) {
+                    const akv x = ak_load_row16(qr, a->dtype, c);
+                    badq |= ak_nonfinite(x);
+                    akv_store(t->qbuf + r * d + c, akv_mul(x, akv_set1(t->qmul)));
+                }
+                for (int64_t c = 0; c < dv; c += 16)
+                    akv_store(t->dobuf + r * dv + c, ak_load_row16(dor_i, gr->dout_dtype, c));
+            }
+            if (badq) ak_flag_bad(a);
+            const float l = gr->lse[nh * Lq + i];
+            t->lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
+            t->dl[r] = gr->delta[nh * Lq + i];
+            t->qsg[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
+            t->ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
+        } else {
+            if (t->bf) {
+                memset(t->qraw + r * (d / 2), 0, (size_t)d * 2);
+                memset(t->dor + r * (dv / 2), 0, (size_t)dv * 2);
+            } else {
+                memset(t->qbuf + r * d, 0, (size_t)d * 4);
+                memset(t->dobuf + r * dv, 0, (size_t)dv * 4);
+            }
+            t->lo[r] = 0, t->hi[r] = 0, t->lsel[r] = INFINITY, t->dl[r] = 0.0f, t->qsg[r] = 0;
+            t->ipf[r] = 0.0f;
+        }
+    }
+    if (t->bf) /* row pairs of q and dO, for dK and dV */
+        for (int64_t rp = 0; rp < padded / 2; rp++) {
+            const uint16_t *qa = (const uint16_t *)(t->qraw + 2 * rp * (d / 2));
+            const uint16_t *qb2 = (const uint16_t *)(t->qraw + (2 * rp + 1) * (d / 2));
+            const uint16_t *da = (const uint16_t *)(t->dor + 2 * rp * (dv / 2));
+            const uint16_t *db2 = (const uint16_t *)(t->dor + (2 * rp + 1) * (dv / 2));
+            for (int64_t c = 0; c < d; c += 16)
+                akvi_store(t->qrp + rp * d + c, ak_pair16(qa + c, qb2 + c));
+            for (int64_t c = 0; c < dv; c += 16)
+                akvi_store(t->dorp + rp * dv + c, ak_pair16(da + c, db2 + c));
+        }
+    memset(t->dqt, 0, sizeof(float) * padded * d);
+}
+
+/* Row rr on key block j0, from its scores s and dP = dO V^T: the terms, P = 2^(s - lse) and
+ * dS = P (dP - delta) (with dropout, dS = P (Z dP - delta) and P := Z P; softcap's factor and
+ * the table's gradient on dS), into p and ds */
+AK_HOT void ak_bwd_row(const ak_bwd_it *t, akv s[4], const akv dp[4], int64_t rr, int32_t j0,
+                       int full, float *p, float *ds) {
+    const ak_flash_args *a = t->a;
+    ak_row_terms(a, s, j0, t->ipf[rr], t->slope, t->rel != NULL ? t->rel + j0 - rr : NULL,
+                 t->lo[rr], t->hi[rr], t->kseg, t->qsg[rr], full,
+                 t->capped ? t->capd + rr * AK_FN : NULL);
+    const akv lb = akv_set1(t->lsel[rr]), db = akv_set1(t->dl[rr]);
+    akvm keep[4] = {0xffff, 0xffff, 0xffff, 0xffff};
+    if (a->dropout) ak_keep64(a, j0, t->i0 + rr, (uint32_t)(t->h + (t->n << 16)), keep);
+    for (int u = 0; u < 4; u++) {
+        akv pu = akv_exp2(akv_sub(s[u], lb));
+        akv dpu = dp[u];
+        const akv zs = akv_set1(a->drop_scale);
+        if (a->dropout) /* dS = P (Z dP - D), dV += (Z P)^T dO */
+            dpu = akv_maskz_mul(keep[u], dpu, zs);
+        akv dsu = akv_mul(pu, akv_sub(dpu, db));
+        if (a->dropout) pu = akv_maskz_mul(keep[u], pu, zs);
+        if (t->drel != NULL) { /* the table's term is added after softcap */
+            float *dr = t->drel + j0 - rr + 16 * u;
+            akv_store(dr, akv_add(akv_load(dr), dsu));
+        }
+        if (t->capped) dsu = akv_mul(dsu, akv_load(t->capd + rr * AK_FN + 16 * u));
+        akv_store(p + 16 * u, pu);
+        akv_store(ds + 16 * u, dsu);
+    }
+}
+
+/* Group rows r0 .. r0 + 3 on key block b (keys j0 ..): P and dS into pb and dsb (bf16dot:
+ * rounded to bfloat16, as row pairs into ptrp and dstrp and as rows into dsp) */
+AK_HOT void ak_bwd_group(const ak_bwd_it *t, int64_t b, int64_t r0, int32_t j0, int full) {
+    const int64_t d = t->a->d, dv = t->a->dv;
+    const float *ktb = t->kt + b * AK_FD * AK_FN, *vtb = t->vt + b * AK_FD * AK_FN;
+    akv s[AK_FR][4], dp[AK_FR][4];
+#ifdef AK_FLASH_BF16
+    if (t->bf) {
+        float tp[AK_FR][AK_FN], tds[AK_FR][AK_FN];
+        ak_scores_bf(t->qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s);
+        ak_scores_bf(t->dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp);
+        const akv qm = akv_set1(t->qmul);
+        for (int r = 0; r < AK_FR; r++)
+            for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
+        for (int r = 0; r < AK_FR; r++)
+            ak_bwd_row(t, s[r], dp[r], r0 + r, j0, full, tp[r], tds[r]);
+        ak_pds_bf(tp, tds, r0, t->ptrp, t->dstrp, t->dsp);
+        return;
+    }
+#endif
+    ak_scores(t->qbuf + r0 * d, d, ktb, s);
+    ak_scores(t->dobuf + r0 * dv, dv, vtb, dp);
+    for (int r = 0; r < AK_FR; r++) {
+        const int64_t rr = r0 + r;
+        ak_bwd_row(t, s[r], dp[r], rr, j0, full, t->pb + rr * AK_FN, t->dsb + rr * AK_FN);
+    }
+}
+
+/* Group rows r0 .. r0 + 3 see nothing of the block: their P and dS are 0 */
+static inline void ak_bwd_group_zero(const ak_bwd_it *t, int64_t r0) {
+    if (t->bf) {
+        memset(t->ptrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
+        memset(t->dstrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
+        memset(t->dsp + r0 * (AK_FN / 2), 0, AK_FR * (AK_FN / 2) * 4);
+    } else {
+        memset(t->pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+        memset(t->dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
+    }
+}
+
+/* The query block on key block b: P and dS group by group, then dV += P^T dO,
+ * dK += dS^T q and the dQ tile += dS K */
+static inline void ak_bwd_block(const ak_bwd_it *t, int64_t b) {
+    const int64_t d = t->a->d, dv = t->a->dv, padded = t->groups * AK_FR;
+    const int32_t *kseg = t->kseg;
+    int64_t nk;
+    const int32_t j0 = ak_bwd_block_keys(t, b, &nk);
+    int seen = 0;
+    for (int64_t r = 0; r < t->nrows; r++)
+        seen |= t->lo[r] < t->hi[r] && t->lo[r] < j0 + nk && t->hi[r] > j0;
+    if (!seen) return;
+    int kfull_seg = 1; /* every key of the block in one segment */
+    if (kseg != NULL)
+        for (int64_t jj = 1; jj < AK_FN; jj++) kfull_seg &= kseg[j0 + jj] == kseg[j0];
+    for (int64_t gi = 0; gi < t->groups; gi++) {
+        const int64_t r0 = gi * AK_FR;
+        int full;
+        if (!ak_group_sees(t->lo + r0, t->hi + r0, j0, nk, &full)) {
+            ak_bwd_group_zero(t, r0);
+            continue;
+        }
+        if (kseg != NULL && full)
+            for (int r = 0; r < AK_FR; r++) full &= kfull_seg && t->qsg[r0 + r] == kseg[j0];
+        ak_bwd_group(t, b, r0, j0, full);
+    }
+    const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
+    float *dkb = t->dkb + b * AK_FN * AK_FD, *dvb = t->dvb + b * AK_FN * AK_FD;
+    const float *kn = t->kn + b * AK_FN * AK_FD;
+#ifdef AK_FLASH_BF16
+    if (t->bf) {
+        ak_tn_bf(dvb, dv, t->ptrp, t->dorp, padded / 2, nk);
+        ak_tn_bf(dkb, d, t->dstrp, t->qrp, padded / 2, nk);
+        for (int64_t gi = 0; gi < t->groups; gi++)
+            ak_pv_bf(t->dqt + gi * AK_FR * d, d, ones, t->dsp + gi * AK_FR * (AK_FN / 2),
+                     (const uint32_t *)kn, (nk + 1) / 2);
+        return;
+    }
+#endif
+    ak_tn(dvb, dv, t->pb, t->dobuf, padded, nk);
+    ak_tn(dkb, d, t->dsb, t->qbuf, padded, nk);
+    for (int64_t gi = 0; gi < t->groups; gi++)
+        ak_pv(t->dqt + gi * AK_FR * d, d, ones, t->dsb + gi * AK_FR * AK_FN, kn, d, nk);
+}
+
+/* The query block's dQ tile, times the scale (dQ = scale dS K), added into dQ buffer buf */
+static void ak_bwd_dq_out(const ak_bwd_it *t) {
+    const ak_flash_args *a = t->a;
+    const int64_t d = a->d, nh = t->n * a->Hq + t->h;
+    float *dqw = t->gr->dq + ((t->buf * a->N * a->Hq + nh) * a->Lq + t->i0) * d;
+    const akv sc = akv_set1(a->scale);
+    for (int64_t r = 0; r < t->nrows; r++)
+        for (int64_t c = 0; c < d; c += 16)
+            akv_store(dqw + r * d + c, akv_fmadd(akv_load(t->dqt + r * d + c), sc,
+                                                 akv_load(dqw + r * d + c)));
+}
+
+/* The item's dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul) (bf16dot: q as given, so
+ * scale) and dV as accumulated, in grad_dtype */
+static void ak_bwd_dkv_out(const ak_bwd_it *t) {
+    const ak_flash_args *a = t->a;
+    const int64_t d = a->d, dv = a->dv;
+    const akv kf = akv_set1(t->bf ? a->scale : a->scale / t->qmul);
+    const int gt = t->gr->grad_dtype;
+    const int64_t ge = gt == 0 ? 4 : 2;
+    for (int64_t b = 0; b < t->nb; b++) {
+        int64_t nk;
+        const int32_t j0 = ak_bwd_block_keys(t, b, &nk);
+        const float *dks = t->dkb + b * AK_FN * AK_FD, *dvs = t->dvb + b * AK_FN * AK_FD;
+        const int64_t row0 = (t->n * a->Hkv + t->hk) * a->Lk + j0;
+        for (int64_t jj = 0; jj < nk; jj++) {
+            char *dk = (char *)t->gr->dk + (row0 + jj) * d * ge;
+            char *dvo = (char *)t->gr->dv + (row0 + jj) * dv * ge;
+            for (int64_t c = 0; c < d; c += 16)
+                ak_store_row16(dk, gt, c, akv_mul(akv_load(dks + jj * d + c), kf));
+            for (int64_t c = 0; c < dv; c += 16)
+                ak_store_row16(dvo, gt, c, akv_load(dvs + jj * dv + c));
+        }
+    }
+}
+
 /* One item: key blocks [kb0, kb1) (at most AK_SB) of one (batch, kv head), on the scratch of
  * `worker`, adding into dQ buffer `buf` (and into its unit's table gradient). Each query
  * block's rows are loaded once for all of them and its dQ tile added once. With bf16dot the
@@ -1021,273 +1409,27 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
 static void ak_bwd_item(const ak_flash_args *a, const ak_flash_grads *gr, int64_t nqb,
                         int64_t n, int64_t hk, int64_t kb0, int64_t kb1, int worker,
                         int64_t buf) {
-    const int64_t d = a->d, dv = a->dv, Lk = a->Lk, Lq = a->Lq, G = a->Hq / a->Hkv;
-    static const float LOG2E = 1.4426950408889634f;
-    const int capped = a->softcap > 0.0f, bf = a->bf16dot;
-    const float qmul = capped ? a->scale : a->scale * LOG2E;
+    ak_bwd_it t;
+    ak_bwd_begin(&t, a, gr, n, hk, kb0, kb1, worker, buf);
     const size_t esz = a->dtype == 0 ? 4 : 2;
-    const int64_t nb = kb1 - kb0;
-    const int32_t jlo = (int32_t)(kb0 * AK_FN);
-    const int32_t jhi = (int32_t)(kb1 * AK_FN < Lk ? kb1 * AK_FN : Lk);
-    float *kt = a->ws + (int64_t)worker * AK_WS_BWD;       /* [AK_SB] K^T blocks */
-    float *vt = kt + AK_SB * AK_FD * AK_FN;                  /* [AK_SB] V^T blocks */
-    float *kn = vt + AK_SB * AK_FD * AK_FN;                  /* [AK_SB] K rows, float32 */
-    float *dkb = kn + AK_SB * AK_FN * AK_FD, *dvb = dkb + AK_SB * AK_FN * AK_FD;
-    float *qbuf = dvb + AK_SB * AK_FN * AK_FD, *dobuf = qbuf + AK_FM * AK_FD;
-    float *dqt = dobuf + AK_FM * AK_FD;
-    float *pb = dqt + AK_FM * AK_FD, *dsb = pb + AK_FM * AK_FN;
-    float *capd = dsb + AK_FM * AK_FN; /* 1 - tanh^2 with softcap */
-    /* bfloat16 layouts (bf16dot): raw q and dO rows, their row pairs, P and dS as row pairs
-     * (for dV and dK) and dS rows (for dQ) */
-    uint32_t *qraw = (uint32_t *)qbuf, *qrp = qraw + AK_FM * (d / 2);
-    uint32_t *dor = (uint32_t *)dobuf, *dorp = dor + AK_FM * (dv / 2);
-    uint32_t *ptrp = (uint32_t *)pb, *dstrp = (uint32_t *)dsb, *dsp = dstrp + AK_FM / 2 * AK_FN;
-    float tp[AK_FR][AK_FN], tds[AK_FR][AK_FN];
-    int32_t lo[AK_FM], hi[AK_FM], qsg[AK_FM];
-    float ipf[AK_FM], lsel[AK_FM], dl[AK_FM];
     const char *kbase = (const char *)a->k + (n * a->ks[0] + hk * a->ks[1]) * esz;
     const char *vbase = (const char *)a->v + (n * a->vs[0] + hk * a->vs[1]) * esz;
-    for (int64_t b = 0; b < nb; b++) {
-        const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
-        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-        ak_bwd_pack(a, kbase, vbase, j0, nk, kt + b * AK_FD * AK_FN, vt + b * AK_FD * AK_FN,
-                    kn + b * AK_FN * AK_FD, dvb + b * AK_FN * AK_FD);
+    for (int64_t b = 0; b < t.nb; b++) {
+        int64_t nk;
+        const int32_t j0 = ak_bwd_block_keys(&t, b, &nk);
+        ak_bwd_pack(a, kbase, vbase, j0, nk, t.kt + b * AK_FD * AK_FN, t.vt + b * AK_FD * AK_FN,
+                    t.kn + b * AK_FN * AK_FD, t.dvb + b * AK_FN * AK_FD);
     }
-    memset(dkb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
-    memset(dvb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
-    const int32_t *kseg = a->kseg ? a->kseg + n * a->kseg_bstride : NULL;
-    const int64_t bb = n * a->bounds_bstride;
-    const akv sc = akv_set1(a->scale); /* dQ = scale dS K */
-    const size_t doe = gr->dout_dtype == 0 ? 4 : 2;
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t h = hk * G + g;
-        const float slope = a->alibi ? a->alibi[n * a->alibi_bstride + h] : 0.0f;
-        const char *qbase = (const char *)a->q + (n * a->qs[0] + h * a->qs[1]) * esz;
-        const int64_t nh = n * a->Hq + h;
-        float *dqw = gr->dq + (buf * a->N * a->Hq + nh) * Lq * d;
+    memset(t.dkb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
+    memset(t.dvb, 0, sizeof(float) * AK_SB * AK_FN * AK_FD);
+    for (int64_t g = 0; g < a->Hq / a->Hkv; g++)
         for (int64_t qb = 0; qb < nqb; qb++) {
-            const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < Lq ? i0 + AK_FM : Lq;
-            const int64_t nrows = i1 - i0, groups = (nrows + AK_FR - 1) / AK_FR;
-            const int64_t padded = groups * AK_FR;
-            int anyb = 0;
-            for (int64_t r = 0; r < nrows; r++) {
-                int32_t a0 = a->lo[bb + i0 + r], a1 = a->hi[bb + i0 + r];
-                if (a0 < 0) a0 = 0;
-                if (a1 > Lk) a1 = (int32_t)Lk;
-                lo[r] = a0, hi[r] = a1;
-                anyb |= a0 < a1 && a0 < jhi && a1 > jlo;
-            }
-            if (!anyb) continue;
-            const float *rel = a->rel ? a->rel + h * a->rel_hstride + a->rel_base - i0 : NULL;
-            float *drel = gr->drel ? gr->drel + ((buf * a->N + n) * a->Hkv + hk) *
-                                         gr->drel_wstride + g * a->rel_hstride +
-                                         a->rel_base - i0 : NULL;
-            for (int64_t r = 0; r < padded; r++) {
-                if (r < nrows) {
-                    const int64_t i = i0 + r;
-                    const char *qr = qbase + i * a->qs[2] * esz;
-                    const char *dor_i = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
-                    int badq = 0;
-                    if (bf) {
-                        memcpy(qraw + r * (d / 2), qr, (size_t)d * 2);
-                        memcpy(dor + r * (dv / 2), dor_i, (size_t)dv * 2);
-                        for (int64_t c = 0; c < d; c += 32)
-                            badq |= akvi_bf16_nonfinite(akvi_load(
-                                (const void *)((const uint16_t *)qr + c)));
-                    } else {
-                        for (int64_t c = 0; c < d; c += 16) {
-                            const akv x = ak_load_row16(qr, a->dtype, c);
-                            badq |= ak_nonfinite(x);
-                            akv_store(qbuf + r * d + c,
-                                             akv_mul(x, akv_set1(qmul)));
-                        }
-                        for (int64_t c = 0; c < dv; c += 16)
-                            akv_store(dobuf + r * dv + c,
-                                             ak_load_row16(dor_i, gr->dout_dtype, c));
-                    }
-                    if (badq) ak_flag_bad(a);
-                    const float l = gr->lse[nh * Lq + i];
-                    lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
-                    dl[r] = gr->delta[nh * Lq + i];
-                    qsg[r] = a->qseg ? a->qseg[n * a->qseg_bstride + i] : 0;
-                    ipf[r] = a->ipos ? (float)a->ipos[n * a->ipos_bstride + i] : 0.0f;
-                } else {
-                    if (bf) {
-                        memset(qraw + r * (d / 2), 0, (size_t)d * 2);
-                        memset(dor + r * (dv / 2), 0, (size_t)dv * 2);
-                    } else {
-                        memset(qbuf + r * d, 0, (size_t)d * 4);
-                        memset(dobuf + r * dv, 0, (size_t)dv * 4);
-                    }
-                    lo[r] = 0, hi[r] = 0, lsel[r] = INFINITY, dl[r] = 0.0f, qsg[r] = 0;
-                    ipf[r] = 0.0f;
-                }
-            }
-            if (bf) /* row pairs of q and dO, for dK and dV */
-                for (int64_t rp = 0; rp < padded / 2; rp++) {
-                    const uint16_t *qa = (const uint16_t *)(qraw + 2 * rp * (d / 2));
-                    const uint16_t *qb2 = (const uint16_t *)(qraw + (2 * rp + 1) * (d / 2));
-                    const uint16_t *da = (const uint16_t *)(dor + 2 * rp * (dv / 2));
-                    const uint16_t *db2 = (const uint16_t *)(dor + (2 * rp + 1) * (dv / 2));
-                    for (int64_t c = 0; c < d; c += 16)
-                        akvi_store((void *)(qrp + rp * d + c), ak_pair16(qa + c, qb2 + c));
-                    for (int64_t c = 0; c < dv; c += 16)
-                        akvi_store((void *)(dorp + rp * dv + c),
-                                            ak_pair16(da + c, db2 + c));
-                }
-            memset(dqt, 0, sizeof(float) * padded * d);
-            for (int64_t b = 0; b < nb; b++) {
-                const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
-                const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-                const float *ktb = kt + b * AK_FD * AK_FN, *vtb = vt + b * AK_FD * AK_FN;
-                int seen = 0;
-                for (int64_t r = 0; r < nrows; r++)
-                    seen |= lo[r] < hi[r] && lo[r] < j0 + nk && hi[r] > j0;
-                if (!seen) continue;
-                int kfull_seg = 1; /* every key of the block in one segment */
-                if (kseg != NULL)
-                    for (int64_t jj = 1; jj < AK_FN; jj++) kfull_seg &= kseg[j0 + jj] == kseg[j0];
-                for (int64_t gi = 0; gi < groups; gi++) {
-                    const int64_t r0 = gi * AK_FR;
-                    int any = 0, full = 1;
-                    for (int r = 0; r < AK_FR; r++) {
-                        const int32_t a0 = lo[r0 + r], a1 = hi[r0 + r];
-                        any |= a0 < a1 && a0 < j0 + nk && a1 > j0;
-                        full &= a0 <= j0 && a1 >= j0 + AK_FN;
-                    }
-                    if (!any) {
-                        if (bf) {
-                            memset(ptrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
-                            memset(dstrp + r0 / 2 * AK_FN, 0, AK_FR / 2 * AK_FN * 4);
-                            memset(dsp + r0 * (AK_FN / 2), 0, AK_FR * (AK_FN / 2) * 4);
-                        } else {
-                            memset(pb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
-                            memset(dsb + r0 * AK_FN, 0, AK_FR * AK_FN * 4);
-                        }
-                        continue;
-                    }
-                    if (kseg != NULL && full)
-                        for (int r = 0; r < AK_FR; r++)
-                            full &= kfull_seg && qsg[r0 + r] == kseg[j0];
-                    akv s[AK_FR][4], dp[AK_FR][4];
-#ifdef AK_FLASH_BF16
-                    if (bf) {
-                        ak_scores_bf(qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s);
-                        ak_scores_bf(dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp);
-                        const akv qm = akv_set1(qmul);
-                        for (int r = 0; r < AK_FR; r++)
-                            for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
-                    } else
-#endif
-                    {
-                        ak_scores(qbuf + r0 * d, d, ktb, s);
-                        ak_scores(dobuf + r0 * dv, dv, vtb, dp);
-                    }
-                    for (int r = 0; r < AK_FR; r++) {
-                        const int64_t rr = r0 + r;
-                        ak_row_terms(a, s[r], j0, ipf[rr], slope,
-                                     rel != NULL ? rel + j0 - rr : NULL, lo[rr], hi[rr], kseg,
-                                     qsg[rr], full, capped ? capd + rr * AK_FN : NULL);
-                        const akv lb = akv_set1(lsel[rr]), db = akv_set1(dl[rr]);
-                        akvm keep[4] = {0xffff, 0xffff, 0xffff, 0xffff};
-                        if (a->dropout)
-                            ak_keep64(a, j0, i0 + rr, (uint32_t)(h + (n << 16)), keep);
-                        for (int u = 0; u < 4; u++) {
-                            akv p = akv_exp2(akv_sub(s[r][u], lb));
-                            akv dpu = dp[r][u];
-                            const akv zs = akv_set1(a->drop_scale);
-                            if (a->dropout) /* dS = P (Z dP - D), dV += (Z P)^T dO */
-                                dpu = akv_maskz_mul(keep[u], dpu, zs);
-                            akv ds = akv_mul(p, akv_sub(dpu, db));
-                            if (a->dropout) p = akv_maskz_mul(keep[u], p, zs);
-                            if (drel != NULL) { /* the table's term is added after softcap */
-                                float *dr = drel + j0 - rr + 16 * u;
-                                akv_store(dr, akv_add(akv_load(dr), ds));
-                            }
-                            if (capped)
-                                ds = akv_mul(ds,
-                                                   akv_load(capd + rr * AK_FN + 16 * u));
-                            if (bf) {
-                                akv_store(tp[r] + 16 * u, p);
-                                akv_store(tds[r] + 16 * u, ds);
-                            } else {
-                                akv_store(pb + rr * AK_FN + 16 * u, p);
-                                akv_store(dsb + rr * AK_FN + 16 * u, ds);
-                            }
-                        }
-                    }
-#ifdef AK_FLASH_BF16
-                    if (bf) /* P and dS in bfloat16: row pairs (dV, dK) and rows (dQ) */
-                        for (int r = 0; r < AK_FR; r += 2) {
-                            const int64_t rp = (r0 + r) / 2;
-                            for (int u = 0; u < 4; u++) {
-                                const akvi pa = akvi_from_u16(
-                                    (__m256i)_mm512_cvtneps_pbh(akv_load(tp[r] + 16 * u)));
-                                const akvi pb2 = akvi_from_u16((__m256i)_mm512_cvtneps_pbh(
-                                    akv_load(tp[r + 1] + 16 * u)));
-                                akvi_store((void *)(ptrp + rp * AK_FN + 16 * u),
-                                                    akvi_or(pa, akvi_slli(pb2, 16)));
-                                const akvi sa = akvi_from_u16(
-                                    (__m256i)_mm512_cvtneps_pbh(akv_load(tds[r] + 16 * u)));
-                                const akvi sb = akvi_from_u16((__m256i)_mm512_cvtneps_pbh(
-                                    akv_load(tds[r + 1] + 16 * u)));
-                                akvi_store((void *)(dstrp + rp * AK_FN + 16 * u),
-                                                    akvi_or(sa, akvi_slli(sb, 16)));
-                            }
-                            for (int q2 = 0; q2 < 2; q2++)
-                                for (int u = 0; u < 4; u += 2)
-                                    akvi_store(
-                                        (void *)(dsp + (r0 + r + q2) * (AK_FN / 2) + 8 * u),
-                                        (akvi)_mm512_cvtne2ps_pbh(
-                                            akv_load(tds[r + q2] + 16 * u + 16),
-                                            akv_load(tds[r + q2] + 16 * u)));
-                        }
-#endif
-                }
-#ifdef AK_FLASH_BF16
-                if (bf) {
-                    const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
-                    ak_tn_bf(dvb + b * AK_FN * AK_FD, dv, ptrp, dorp, padded / 2, nk);
-                    ak_tn_bf(dkb + b * AK_FN * AK_FD, d, dstrp, qrp, padded / 2, nk);
-                    for (int64_t gi = 0; gi < groups; gi++)
-                        ak_pv_bf(dqt + gi * AK_FR * d, d, ones, dsp + gi * AK_FR * (AK_FN / 2),
-                                 (const uint32_t *)(kn + b * AK_FN * AK_FD), (nk + 1) / 2);
-                    continue;
-                }
-#endif
-                ak_tn(dvb + b * AK_FN * AK_FD, dv, pb, dobuf, padded, nk);
-                ak_tn(dkb + b * AK_FN * AK_FD, d, dsb, qbuf, padded, nk);
-                const float ones[AK_FR] = {1.0f, 1.0f, 1.0f, 1.0f};
-                for (int64_t gi = 0; gi < groups; gi++)
-                    ak_pv(dqt + gi * AK_FR * d, d, ones, dsb + gi * AK_FR * AK_FN,
-                          kn + b * AK_FN * AK_FD, d, nk);
-            }
-            for (int64_t r = 0; r < nrows; r++) {
-                float *dst = dqw + (i0 + r) * d;
-                for (int64_t c = 0; c < d; c += 16)
-                    akv_store(dst + c, akv_fmadd(akv_load(dqt + r * d + c),
-                                                              sc, akv_load(dst + c)));
-            }
+            if (!ak_bwd_bounds(&t, g, qb)) continue;
+            ak_bwd_rows_in(&t);
+            for (int64_t b = 0; b < t.nb; b++) ak_bwd_block(&t, b);
+            ak_bwd_dq_out(&t);
         }
-    }
-    /* dK = scale dS^T q = dS^T (q * qmul) * (scale / qmul) (bf16dot: q as given, so scale);
-     * dV as accumulated */
-    const akv kf = akv_set1(bf ? a->scale : a->scale / qmul);
-    for (int64_t b = 0; b < nb; b++) {
-        const int32_t j0 = (int32_t)((kb0 + b) * AK_FN);
-        const int64_t nk = Lk - j0 < AK_FN ? Lk - j0 : AK_FN;
-        const float *dks = dkb + b * AK_FN * AK_FD, *dvs = dvb + b * AK_FN * AK_FD;
-        const int gt = gr->grad_dtype;
-        const int64_t ge = gt == 0 ? 4 : 2, row0 = (n * a->Hkv + hk) * Lk + j0;
-        for (int64_t jj = 0; jj < nk; jj++) {
-            char *dk = (char *)gr->dk + (row0 + jj) * d * ge;
-            char *dvo = (char *)gr->dv + (row0 + jj) * dv * ge;
-            for (int64_t c = 0; c < d; c += 16)
-                ak_store_row16(dk, gt, c, akv_mul(akv_load(dks + jj * d + c), kf));
-            for (int64_t c = 0; c < dv; c += 16)
-                ak_store_row16(dvo, gt, c, akv_load(dvs + jj * dv + c));
-        }
-    }
+    ak_bwd_dkv_out(&t);
 }
 
 /* Takes units (batch, kv head, buffer p) and runs each one's super-blocks in order (see the
@@ -1337,7 +1479,7 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
                 const char *dd = (const char *)g->dout + r * dv * de;
                 for (int64_t c = 0; c < dv; c += 16)
                     acc = akv_fmadd(ak_load_row16(o, g->out_dtype, c),
-                                          ak_load_row16(dd, g->dout_dtype, c), acc);
+                                    ak_load_row16(dd, g->dout_dtype, c), acc);
                 g->delta[r] = akv_reduce_add(acc) - (g->dlse ? g->dlse[r] : 0.0f);
             }
             for (int64_t t = 0; t < a->threads; t++)
@@ -1347,8 +1489,7 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
                 const float *src = g->dq + (t * rows + r0) * d;
                 float *dst = g->dq + r0 * d;
                 for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
-                    akv_store(dst + e, akv_add(akv_load(dst + e),
-                                                            akv_load(src + e)));
+                    akv_store(dst + e, akv_add(akv_load(dst + e), akv_load(src + e)));
             }
             if (g->grad_dtype != 0) {
                 const float *sum = g->dq + r0 * d;
