@@ -453,7 +453,8 @@ def machine_page(kind: str) -> str:
     out = [f"# {_title(kind, run, rec)}", "", GENERATED, ""]
     machine = (run or {}).get("machine") or {}
     flags = machine.get("cpu_features") or (rec or {}).get("machine", {}).get("cpu_features")
-    notes = (rec or {}).get("machine", {}).get("notes", "") if not run else ""
+    notes = (machine.get("notes", "") if run else
+             (rec or {}).get("machine", {}).get("notes", ""))
     if not machine and rec:
         machine = {"cpu": rec["machine"].get("cpu", kind)}
     out += ["## The machine", "", *_machine_table(machine, flags or [], notes), ""]
