@@ -714,6 +714,27 @@ static void ak_fwd_begin(ak_fwd_it *t, const ak_flash_args *a, int64_t nkb, int6
     }
 }
 
+/* Query row qr (d elements of a->dtype) into the item's buffers: its raw bfloat16 pairs into
+ * raw (bf: the bfloat16 dot products scale the scores instead), else as float32 times qmul
+ * into f32. Returns whether an element was not finite. */
+static inline int ak_q_row_in(const ak_flash_args *a, const char *qr, int bf, float qmul,
+                              void *raw, float *f32) {
+    const int64_t d = a->d;
+    akvm bad = 0;
+    if (bf) {
+        memcpy(raw, qr, (size_t)d * 2);
+        for (int64_t c = 0; c < d; c += 32)
+            bad |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)qr + c));
+    } else {
+        for (int64_t c = 0; c < d; c += 16) {
+            const akv x = ak_load_row16(qr, a->dtype, c);
+            bad |= ak_nonfinite(x);
+            akv_store(f32 + c, akv_mul(x, akv_set1(qmul)));
+        }
+    }
+    return bad != 0;
+}
+
 /* The item's rows: q into qbuf, visible keys, segment ids and positions (a padding row past
  * nrows sees nothing), running maxima, sums and outputs cleared. Returns the key blocks
  * [*kb0, *kb1) that some row sees. */
@@ -729,19 +750,9 @@ static void ak_fwd_rows_in(ak_fwd_it *t, int64_t *kb0, int64_t *kb1) {
         if (r < t->nrows) {
             const int64_t i = t->i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
-            akvm badq = 0;
-            if (a->bf16dot) {
-                memcpy(t->qbuf + r * (d / 2), qr, (size_t)d * 2); /* raw pairs, scaled on S */
-                for (int64_t c = 0; c < d; c += 32)
-                    badq |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)qr + c));
-            } else {
-                for (int64_t c = 0; c < d; c += 16) {
-                    const akv x = ak_load_row16(qr, a->dtype, c);
-                    badq |= ak_nonfinite(x);
-                    akv_store(t->qbuf + r * d + c, akv_mul(x, akv_set1(t->qmul)));
-                }
-            }
-            if (badq) ak_flag_bad(a);
+            if (ak_q_row_in(a, qr, a->bf16dot, t->qmul, t->qbuf + r * (d / 2),
+                            t->qbuf + r * d))
+                ak_flag_bad(a);
             int32_t a0 = a->lo[n * a->bounds_bstride + i], a1 = a->hi[n * a->bounds_bstride + i];
             if (a0 < 0) a0 = 0;
             if (a1 > t->Lk) a1 = (int32_t)t->Lk;
@@ -1204,22 +1215,13 @@ static void ak_bwd_rows_in(ak_bwd_it *t) {
             const int64_t i = t->i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
             const char *dor_i = (const char *)gr->dout + (nh * Lq + i) * dv * doe;
-            int badq = 0;
-            if (t->bf) {
-                memcpy(t->qraw + r * (d / 2), qr, (size_t)d * 2);
+            if (ak_q_row_in(a, qr, t->bf, t->qmul, t->qraw + r * (d / 2), t->qbuf + r * d))
+                ak_flag_bad(a);
+            if (t->bf)
                 memcpy(t->dor + r * (dv / 2), dor_i, (size_t)dv * 2);
-                for (int64_t c = 0; c < d; c += 32)
-                    badq |= akvi_bf16_nonfinite(akvi_load((const uint16_t *)qr + c));
-            } else {
-                for (int64_t c = 0; c < d; c += 16) {
-                    const akv x = ak_load_row16(qr, a->dtype, c);
-                    badq |= ak_nonfinite(x);
-                    akv_store(t->qbuf + r * d + c, akv_mul(x, akv_set1(t->qmul)));
-                }
+            else
                 for (int64_t c = 0; c < dv; c += 16)
                     akv_store(t->dobuf + r * dv + c, ak_load_row16(dor_i, gr->dout_dtype, c));
-            }
-            if (badq) ak_flag_bad(a);
             const float l = gr->lse[nh * Lq + i];
             t->lsel[r] = l == -INFINITY ? INFINITY : l * LOG2E;
             t->dl[r] = gr->delta[nh * Lq + i];
