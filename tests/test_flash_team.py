@@ -48,25 +48,54 @@ def _check_oracle(out, q, k, v):
     assert ok, (err, base)
 
 
-def test_the_team_is_torchs_openmp_runtime_or_the_pool():
+def _decode_call():
+    """A GQA decoding step big enough for two threads (the decode kernel)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 8, 1, 64, generator=g)
+    k, v = (torch.randn(4, 2, 1024, 64, generator=g) for _ in range(2))
+    calls = native.decode_counts()["calls"]
+    out = attnkit.attention(q, k, v, causal=True, diagonal="bottom_right", backend="decode")
+    assert native.decode_counts()["calls"] == calls + 1
+    r = ref(q.double(), k.double(), v.double())
+    assert (out.double() - r).abs().max() < 1e-5
+
+
+def _softcap_call():
+    """The softcap pass over 2**20 scores (the native tanh, two threads)."""
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(2))
+    y = x.clone()
+    assert native.softcap_forward_(y, 2.5)
+    torch.testing.assert_close(y, 2.5 * torch.tanh(x), rtol=1e-6, atol=1e-6)
+
+
+def _flash_call():
+    q, k, v = _inputs()
+    _check_oracle(attnkit.attention(q, k, v, causal=True, backend="flash"), q, k, v)
+
+
+@pytest.mark.parametrize("kernel", [_flash_call, _decode_call, _softcap_call],
+                         ids=["flash", "decode", "softcap"])
+def test_the_team_is_torchs_openmp_runtime_or_the_pool(kernel):
     """'openmp' only where the process holds one OpenMP runtime (the library's is torch's)
-    and torch's parallel backend is OpenMP; the call then runs on as many threads as torch
-    uses."""
+    and torch's parallel backend is OpenMP; every kernel's call (flash, decode, softcap) then
+    runs on as many threads as torch uses, on torch's threads (which torch's operators have
+    just used and which spin a while: a pool thread woken then waits for their cores)."""
     team = native.build_info()["team"]
     assert team in ("openmp", "pool")
     if team == "openmp":
         runtimes = native._openmp_runtimes()
         assert runtimes is not None and len(runtimes) == 1, runtimes
         assert "parallel backend: OpenMP" in torch.__config__.parallel_info()
-    q, k, v = _inputs()
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
     native._team_tune(late_ns=10**12, hold_ns=0)  # (a busy test machine: stay on the team)
     try:
         before = native.pool_stats()
-        out = _flash(q, k, v, threads=2)
+        kernel()
         woken = native.pool_stats()["woken"] - before["woken"]
     finally:
         native._team_tune()
-    _check_oracle(out, q, k, v)
+        torch.set_num_threads(old)
     assert native.pool_stats()["last_threads"] == 2
     # on the team no pool thread is woken; on the pool each of the call's regions wakes one
     assert (woken == 0) if team == "openmp" else (woken > 0), (team, woken)

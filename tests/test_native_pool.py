@@ -28,6 +28,18 @@ SCALE = 1 / math.sqrt(D)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 
 
+@pytest.fixture(autouse=True)
+def _on_the_pool():
+    """The kernels' calls run on the pool here: in use they run on torch's OpenMP team where
+    the library shares torch's runtime (test_flash_team.py), and on the pool elsewhere, under
+    a busy machine's hold, and in a forked child."""
+    lib = native._lib()
+    lib.attnkit_team_openmp(0)
+    yield
+    if native.build_info()["team"] == "openmp":
+        lib.attnkit_team_openmp(1)
+
+
 def _problem(seed, *, batch=BATCH, keys=KEYS, dtype=torch.float32):
     """q (batch, HQ, 1, D) over a contiguous GQA cache with per-row lengths (one full row)."""
     gen = torch.Generator().manual_seed(seed)

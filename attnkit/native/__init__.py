@@ -1788,7 +1788,7 @@ def pool_stats() -> dict:
     thread; ``woken``, pool threads woken, all calls together; ``caller_extra``, work shares a
     caller ran because no pool thread had taken them yet; ``last_threads``, the threads the
     latest call ran on, the caller included (at most ``torch.get_num_threads()`` then, 1 for
-    a call too small to repay waking a thread); ``team_late``, flash calls on torch's OpenMP
+    a call too small to repay waking a thread); ``team_late``, kernel calls on torch's OpenMP
     team one of whose threads started late (a busy machine: the calls of the next 200 ms run
     on the pool, whose caller never waits for a thread that has not started), and
     ``team_held``, the calls that ran on the pool for that reason. Empty when the kernels are

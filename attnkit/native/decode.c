@@ -2191,7 +2191,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
     if (n > job.ntasks) n = job.ntasks;
     if (n > AK_POOL_MAX) n = AK_POOL_MAX;
     if (n < 1) n = 1;
-    ak_pool_run(decode_worker, &job, (int)n);
+    ak_team_run(decode_worker, &job, (int)n);
     /* a worker that could not allocate takes no task; one that could drains the queue, which
      * leaves the counter past ntasks */
     return __atomic_load_n(&job.next, __ATOMIC_RELAXED) > job.ntasks ? AK_OK : AK_NO_MEMORY;
@@ -2272,6 +2272,6 @@ int attnkit_fp8_dequantize(const void *src, int64_t slabs, int64_t slab_len,
     if (n > nthreads) n = nthreads;
     if (n > AK_POOL_MAX) n = AK_POOL_MAX;
     if (n < 1) n = 1;
-    ak_pool_run(dq_worker, &job, (int)n);
+    ak_team_run(dq_worker, &job, (int)n);
     return AK_OK;
 }

@@ -1,4 +1,8 @@
-/* attnkit native kernels: one persistent thread pool shared by decode.c and softcap.c.
+/* attnkit native kernels' threads: ak_team_run, on which every kernel runs its parallel regions
+ * (torch's OpenMP team where the library shares torch's runtime), and attnkit's own persistent
+ * pool, ak_pool_run, which ak_team_run falls back to (no shared runtime, a busy machine, a
+ * forked child) and the bench's limit kernels use.
+ *
  *
  * ak_pool_run(fn, ctx, n) calls fn(ctx, w, n) once for every worker index w in [0, n) and
  * returns when all of those calls have returned. The calling thread runs w = 0 itself and
@@ -23,7 +27,9 @@ __attribute__((visibility("hidden"))) void ak_pool_run(ak_pool_fn fn, void *ctx,
 
 /* The same contract on the OpenMP runtime's threads when attnkit_team_openmp(1) has been
  * called and the library was built with OpenMP (torch's runtime: see pool.c), else
- * ak_pool_run. For the flash kernel's few long parallel regions. */
+ * ak_pool_run. Every kernel's parallel regions (flash, decode, softcap) run here: torch's
+ * threads have just run torch's operators and spin a while after each, so they start at once,
+ * where a pool thread woken then waits for a core that a spinning thread holds. */
 __attribute__((visibility("hidden"))) void ak_team_run(ak_pool_fn fn, void *ctx, int n);
 
 /* The next block [*a, *e) of `block` elements out of [0, n), taken from the shared counter

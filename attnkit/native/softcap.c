@@ -83,12 +83,12 @@ static int workers_for(int64_t n, int threads) {
 void attnkit_softcap_forward(float *x, int64_t n, float cap, int threads) {
     if (!x || n <= 0) return;
     sc_job p = {.x = x, .n = n, .cap = cap, .next = 0};
-    ak_pool_run(softcap_forward_worker, &p, workers_for(n, threads));
+    ak_team_run(softcap_forward_worker, &p, workers_for(n, threads));
 }
 
 void attnkit_softcap_backward(const float *ds, const float *raw, float *out, int64_t n,
                               float cap, int threads) {
     if (!ds || !raw || !out || n <= 0) return;
     sc_job p = {.ds = ds, .raw = raw, .out = out, .n = n, .cap = cap, .next = 0};
-    ak_pool_run(softcap_backward_worker, &p, workers_for(n, threads));
+    ak_team_run(softcap_backward_worker, &p, workers_for(n, threads));
 }
