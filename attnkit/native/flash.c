@@ -156,6 +156,41 @@ static inline void ak_store44(float *o, int64_t stride, int64_t c0, akv acc[4][4
 /* ---- AVX512-BF16 (ISA-specific): the matrix products in bfloat16 pairs ------------------ */
 #if defined(__AVX512BF16__)
 #define AK_FLASH_BF16 1
+/* ak_scores_bf's quarters ua .. ua + n - 1 into s (the others 0) */
+static inline __attribute__((always_inline)) void
+ak_scores_bf_n(const uint32_t *q, int64_t dp, const uint32_t *kt, __m512 s[AK_FR][4], int ua,
+               const int n) {
+    __m512 acc[AK_FR][3];
+    for (int r = 0; r < AK_FR; r++)
+        for (int u = 0; u < n; u++) acc[r][u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dp; c++) {
+        __m512bh k[3];
+        for (int u = 0; u < n; u++) {
+            k[u] = (__m512bh)_mm512_loadu_si512((const void *)(kt + c * AK_FN + 16 * (ua + u)));
+            __asm__("" : "+v"(k[u])); /* (loaded once for the four rows) */
+        }
+        for (int r = 0; r < AK_FR; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * dp + c]);
+            for (int u = 0; u < n; u++) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], qb, k[u]);
+        }
+    }
+    for (int r = 0; r < AK_FR; r++) {
+        for (int u = 0; u < 4; u++) s[r][u] = _mm512_setzero_ps();
+        for (int u = 0; u < n; u++) s[r][ua + u] = acc[r][u];
+    }
+}
+
+/* ak_scores_bf on the 16-key quarters [ua, ue) of the block only (1 to 3), the others 0 */
+static __attribute__((noinline)) void ak_scores_bf_part(const uint32_t *q, int64_t dp,
+                                                        const uint32_t *kt, __m512 s[AK_FR][4],
+                                                        int ua, int ue) {
+    switch (ue - ua) {
+    case 1: ak_scores_bf_n(q, dp, kt, s, ua, 1); return;
+    case 2: ak_scores_bf_n(q, dp, kt, s, ua, 2); return;
+    default: ak_scores_bf_n(q, dp, kt, s, ua, 3); return;
+    }
+}
+
 /* S = Qg Kt in bfloat16 pairs: q rows of dp 32-bit pairs, kt[cp][AK_FN] pairs of one key */
 static inline void ak_scores_bf(const uint32_t *q, int64_t dp, const uint32_t *kt,
                                 __m512 s[AK_FR][4]) {
@@ -550,12 +585,50 @@ static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[A
     }
 }
 
+/* ak_scores' quarters ua .. ua + n - 1 into s (the others 0) */
+AK_HOT void ak_scores_n(const float *q, int64_t d, const float *kt, akv s[AK_FR][4], int ua,
+                        const int n) {
+    akv acc[AK_FR][3];
+    for (int r = 0; r < AK_FR; r++)
+        for (int u = 0; u < n; u++) acc[r][u] = akv_zero();
+    for (int64_t c = 0; c < d; c++) {
+        akv k[3];
+        for (int u = 0; u < n; u++) {
+            k[u] = akv_load(kt + c * AK_FN + 16 * (ua + u));
+            __asm__("" : "+v"(k[u])); /* (loaded once for the four rows) */
+        }
+        for (int r = 0; r < AK_FR; r++) {
+            const akv qb = akv_set1(q[r * d + c]);
+            for (int u = 0; u < n; u++) acc[r][u] = akv_fmadd(qb, k[u], acc[r][u]);
+        }
+    }
+    for (int r = 0; r < AK_FR; r++) {
+        for (int u = 0; u < 4; u++) s[r][u] = akv_zero();
+        for (int u = 0; u < n; u++) s[r][ua + u] = acc[r][u];
+    }
+}
+
+/* ak_scores on the 16-key quarters [ua, ue) of the block only (1 to 3 of them), the others 0 */
+static __attribute__((noinline)) void ak_scores_part(const float *q, int64_t d, const float *kt,
+                                                     akv s[AK_FR][4], int ua, int ue) {
+    switch (ue - ua) {
+    case 1: ak_scores_n(q, d, kt, s, ua, 1); return;
+    case 2: ak_scores_n(q, d, kt, s, ua, 2); return;
+    default: ak_scores_n(q, d, kt, s, ua, 3); return;
+    }
+}
+
 #else /* (AVX2-specific) */
 /* the same on 256-bit registers: the four rows by 16 keys at a time, eight accumulators, the
  * two key vectors in registers (a load and four broadcasts feed eight multiply-adds; with
  * 32 keys by two rows, the keys read as memory operands twice, it was ten) */
-static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[AK_FR][4]) {
+AK_HOT void ak_scores_range(const float *q, int64_t d, const float *kt, akv s[AK_FR][4],
+                            int ua, int ue) {
     for (int u = 0; u < 4; u++) {
+        if (u < ua || u >= ue) {
+            for (int r = 0; r < AK_FR; r++) s[r][u] = akv_zero();
+            continue;
+        }
         __m256 acc[AK_FR][2];
         for (int r = 0; r < AK_FR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t c = 0; c < d; c++) {
@@ -570,6 +643,16 @@ static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[A
         }
         for (int r = 0; r < AK_FR; r++) s[r][u] = akv_of(acc[r][0], acc[r][1]);
     }
+}
+
+static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[AK_FR][4]) {
+    ak_scores_range(q, d, kt, s, 0, 4);
+}
+
+/* ak_scores on the 16-key quarters [ua, ue) of the block only, the others 0 */
+static __attribute__((noinline)) void ak_scores_part(const float *q, int64_t d, const float *kt,
+                                                     akv s[AK_FR][4], int ua, int ue) {
+    ak_scores_range(q, d, kt, s, ua, ue);
 }
 #endif
 
@@ -794,12 +877,71 @@ static inline int ak_fwd_same_segment(const int32_t *kseg, const int32_t *qs, in
     return 1;
 }
 
-/* The scores of group rows r0 .. r0 + 3 on key block kt, scaled (but with fold) */
-AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, akv s[AK_FR][4]) {
+/* The keys [*ja, *je) of block j0 (nk keys) that some row of the group may see (lo, hi: the
+ * rows' visible ranges), ja even (bfloat16 pairs): the weights outside are 0, and P V skips
+ * them (a window's edge blocks, a causal diagonal; a non-finite value sends the call
+ * elsewhere, so 0 * v is 0 there) */
+static inline void ak_group_keys(const int32_t *lo, const int32_t *hi, int32_t j0, int64_t nk,
+                                 int64_t *ja, int64_t *je) {
+    int64_t a = nk, e = 0;
+    for (int r = 0; r < AK_FR; r++) {
+        if (lo[r] >= hi[r]) continue;
+        if (lo[r] - j0 < a) a = lo[r] - j0;
+        if (hi[r] - j0 > e) e = hi[r] - j0;
+    }
+    *ja = a < 0 ? 0 : a & ~(int64_t)1;
+    *je = e > nk ? nk : e;
+}
+
+/* The 16-key quarters [*ua, *ue) of block j0 that some row of the group sees (all four where
+ * every row sees the whole block): the score tiles compute only those */
+static inline void ak_group_quarters(const int32_t *lo, const int32_t *hi, int32_t j0, int full,
+                                     int *ua, int *ue) {
+    int64_t ja = 0, je = AK_FN;
+    if (!full) ak_group_keys(lo, hi, j0, AK_FN, &ja, &je);
+    *ua = (int)(ja / 16);
+    *ue = je > ja ? (int)((je + 15) / 16) : *ua;
+}
+
+/* S on the quarters [ua, ue) of the block, the others 0: a whole block inline (its scores stay
+ * in registers), an edge's quarters through ak_scores_part */
+AK_HOT void ak_scores_in(const float *q, int64_t d, const float *kt, akv s[AK_FR][4], int ua,
+                         int ue) {
+    if (ua == 0 && ue == 4) {
+        ak_scores(q, d, kt, s);
+        return;
+    }
+    akv sp[AK_FR][4];
+    ak_scores_part(q, d, kt, sp, ua, ue);
+    for (int r = 0; r < AK_FR; r++)
+        for (int u = 0; u < 4; u++) s[r][u] = sp[r][u];
+}
+
+#ifdef AK_FLASH_BF16
+AK_HOT void ak_scores_bf_in(const uint32_t *q, int64_t dp, const uint32_t *kt,
+                            akv s[AK_FR][4], int ua, int ue) {
+    if (ua == 0 && ue == 4) {
+        ak_scores_bf(q, dp, kt, s);
+        return;
+    }
+    akv sp[AK_FR][4];
+    ak_scores_bf_part(q, dp, kt, sp, ua, ue);
+    for (int r = 0; r < AK_FR; r++)
+        for (int u = 0; u < 4; u++) s[r][u] = sp[r][u];
+}
+#endif
+
+/* The scores of group rows r0 .. r0 + 3 on key block kt (keys j0 ..), scaled (but with
+ * fold); a block the rows do not all see whole: only its quarters some row sees */
+AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0,
+                          int full, akv s[AK_FR][4]) {
     const int64_t d = t->a->d;
+    int ua, ue;
+    ak_group_quarters(t->lo + r0, t->hi + r0, j0, full, &ua, &ue);
 #ifdef AK_FLASH_BF16
     if (t->a->bf16dot) {
-        ak_scores_bf((const uint32_t *)t->qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt, s);
+        ak_scores_bf_in((const uint32_t *)t->qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
+                        s, ua, ue);
         if (!t->fold) {
             const akv qm = akv_set1(t->qmul);
             for (int r = 0; r < AK_FR; r++)
@@ -808,7 +950,7 @@ AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, akv s
         return;
     }
 #endif
-    ak_scores(t->qbuf + r0 * d, d, kt, s);
+    ak_scores_in(t->qbuf + r0 * d, d, kt, s, ua, ue);
 }
 
 /* The group's four rows together, from the maxima of their scores' lanes (rv): their maxima
@@ -866,7 +1008,7 @@ AK_HOT akv ak_fwd_weights(const ak_fwd_it *t, const akv s[4], float base, int32_
 AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, int full) {
     akv s[AK_FR][4], rv[AK_FR];
     float bs[AK_FR];
-    ak_fwd_scores(t, kt, r0, s);
+    ak_fwd_scores(t, kt, r0, j0, full, s);
     for (int r = 0; r < AK_FR; r++) {
         const int64_t rr = r0 + r;
         ak_row_terms(t->a, s[r], j0, t->ipf[rr], t->slope,
@@ -880,22 +1022,26 @@ AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, 
     akv4_store(t->l + r0, akv4_add(akv4_mul(akv4_load(t->l + r0), al), sum));
 }
 
-/* O = O * alpha + P V for the live groups on key block j0 (nk keys) */
+/* O = O * alpha + P V for the live groups on key block j0 (nk keys), over the keys a row of
+ * the group may see */
 AK_HOT void ak_fwd_pv(const ak_fwd_it *t, const uint8_t *live, int32_t j0, int64_t nk) {
     const int64_t dv = t->a->dv;
     for (int64_t g = 0; g < t->groups; g++) {
         if (!live[g]) continue;
         const int64_t r0 = g * AK_FR;
+        int64_t ja, je;
+        ak_group_keys(t->lo + r0, t->hi + r0, j0, nk, &ja, &je);
+        if (je <= ja) je = ja; /* (alpha still rescales O) */
 #ifdef AK_FLASH_BF16
         if (t->a->bf16dot) {
             ak_pv_bf(t->obuf + r0 * dv, dv, t->alpha + r0,
-                     (const uint32_t *)t->pbuf + r0 * (AK_FN / 2),
-                     (const uint32_t *)t->vb + (j0 / 2) * dv, (nk + 1) / 2);
+                     (const uint32_t *)t->pbuf + r0 * (AK_FN / 2) + ja / 2,
+                     (const uint32_t *)t->vb + ((j0 + ja) / 2) * dv, (je - ja + 1) / 2);
             continue;
         }
 #endif
-        ak_pv(t->obuf + r0 * dv, dv, t->alpha + r0, t->pbuf + r0 * AK_FN,
-              t->vb + j0 * t->vstride, t->vstride, nk);
+        ak_pv(t->obuf + r0 * dv, dv, t->alpha + r0, t->pbuf + r0 * AK_FN + ja,
+              t->vb + (j0 + ja) * t->vstride, t->vstride, je - ja);
     }
 }
 
@@ -1289,11 +1435,13 @@ AK_HOT void ak_bwd_group(const ak_bwd_it *t, int64_t b, int64_t r0, int32_t j0, 
     const int64_t d = t->a->d, dv = t->a->dv;
     const float *ktb = t->kt + b * AK_FD * AK_FN, *vtb = t->vt + b * AK_FD * AK_FN;
     akv s[AK_FR][4], dp[AK_FR][4];
+    int ua, ue; /* (as the forward: only the quarters some row of the group sees) */
+    ak_group_quarters(t->lo + r0, t->hi + r0, j0, full, &ua, &ue);
 #ifdef AK_FLASH_BF16
     if (t->bf) {
         float tp[AK_FR][AK_FN], tds[AK_FR][AK_FN];
-        ak_scores_bf(t->qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s);
-        ak_scores_bf(t->dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp);
+        ak_scores_bf_in(t->qraw + r0 * (d / 2), d / 2, (const uint32_t *)ktb, s, ua, ue);
+        ak_scores_bf_in(t->dor + r0 * (dv / 2), dv / 2, (const uint32_t *)vtb, dp, ua, ue);
         const akv qm = akv_set1(t->qmul);
         for (int r = 0; r < AK_FR; r++)
             for (int u = 0; u < 4; u++) s[r][u] = akv_mul(s[r][u], qm);
@@ -1303,8 +1451,8 @@ AK_HOT void ak_bwd_group(const ak_bwd_it *t, int64_t b, int64_t r0, int32_t j0, 
         return;
     }
 #endif
-    ak_scores(t->qbuf + r0 * d, d, ktb, s);
-    ak_scores(t->dobuf + r0 * dv, dv, vtb, dp);
+    ak_scores_in(t->qbuf + r0 * d, d, ktb, s, ua, ue);
+    ak_scores_in(t->dobuf + r0 * dv, dv, vtb, dp, ua, ue);
     for (int r = 0; r < AK_FR; r++) {
         const int64_t rr = r0 + r;
         ak_bwd_row(t, s[r], dp[r], rr, j0, full, t->pb + rr * AK_FN, t->dsb + rr * AK_FN);
