@@ -11,8 +11,8 @@
  * AK_CHUNK tokens of one page at a time, all kv heads of a token together (the page layout is
  * token-major, so this reads each page front to back). Every key row is read once and dotted
  * with all the query rows of its kv head (G * Lq rows for GQA); scores, the online softmax and
- * the P V accumulation are float32 (in vectors of one register: ak_vn), except for e4m3 pages
- * with bfloat16 queries on a CPU with AVX512-FP16, whose products and short sums are float16
+ * the P V accumulation are float32 (in vectors of one register: simd.h's akr), except for e4m3
+ * pages with bfloat16 queries on a CPU with AVX512-FP16, whose products and short sums are float16
  * (AK_H16, at e4m3_h16: twice the multiply-adds a cycle, within FlashAttention's rule).
  * A split writes its normalised partial output and log-sum-exp; the caller merges the splits
  * (flash-decoding) when there is more than one.
@@ -47,49 +47,15 @@
 /* bytes per element of a page dtype */
 #define AK_ESZ(dtype) ((dtype) == AK_F32 ? 4 : (dtype) >= AK_E4M3 ? 1 : 2)
 
-typedef float ak_v8 __attribute__((vector_size(32)));
-typedef float ak_v4 __attribute__((vector_size(16)));
-typedef uint16_t ak_vu16 __attribute__((vector_size(32)));
-typedef uint8_t ak_vu8 __attribute__((vector_size(16)));
-#ifdef __FLT16_MAX__
-typedef _Float16 ak_vh __attribute__((vector_size(32)));
-#endif
-/* AVX2 without AVX-512 (with F16C, which every AVX2 CPU has): the score and P V loops in
- * 8-lane registers through intrinsics (see AK_N) */
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+/* AVX2 without AVX-512 (simd.h's 256-bit backend): the score and P V loops in 8-lane
+ * registers (see AK_N), and ways of reading pages that suit them (AK_EVEN_ODD, AK_E4M3_FINITE,
+ * score4x2) */
+#if AKV_BITS == 256
 #define AK_AVX2 1
 #endif
-#if defined(__AVX512F__) || defined(AK_AVX2)
-#include <immintrin.h>
-
+#if AKV_BITS == 512 || AKV_BITS == 256
 #include "fp8.h"
 #endif
-
-/* 16 float16 bit patterns as float32: vcvtph2ps where there is AVX-512 or F16C (GCC
- * scalarises the vector-extension conversion), else the compiler's conversion; 0 without
- * _Float16. */
-AK_INLINE ak_vf half_to_float(ak_vu16 h) {
-    ak_vf f;
-#if defined(__AVX512F__)
-    __m256i hi;
-    memcpy(&hi, &h, sizeof hi);
-    const __m512 x = _mm512_cvtph_ps(hi);
-    memcpy(&f, &x, sizeof f);
-#elif defined(AK_AVX2)
-    __m128i half[2];
-    memcpy(half, &h, sizeof half);
-    const __m256 x[2] = {_mm256_cvtph_ps(half[0]), _mm256_cvtph_ps(half[1])};
-    memcpy(&f, x, sizeof f);
-#elif defined(__FLT16_MAX__)
-    ak_vh hf;
-    memcpy(&hf, &h, sizeof hf);
-    f = __builtin_convertvector(hf, ak_vf);
-#else
-    (void)h;
-    memset(&f, 0, sizeof f);
-#endif
-    return f;
-}
 
 typedef struct {
     const char *q;             /* (B, Hq, Lq, D), unscaled, in q_dtype */
@@ -122,7 +88,7 @@ typedef struct {
     int64_t ntasks;
     int64_t next;              /* task counter, taken with __atomic_fetch_add */
     /* fp8 pages with bfloat16 dot products (AK_FP8DOT): the low and high bytes of the
-     * bfloat16 value of each fp8 byte without its sign (what load16 gives), and the byte
+     * bfloat16 value of each fp8 byte without its sign (what read16 gives), and the byte
      * orders that interleave them (fp8_tables) */
     uint8_t tab[2][128];
     uint8_t order[6][64];
@@ -136,92 +102,10 @@ int attnkit_native_has_f16(void) {
 #endif
 }
 
-/* 16 elements at p as float32 (dtype is a constant wherever this is inlined). fp8 pages are
- * converted in registers through exact float16 bit patterns: an e5m2 byte is the high byte
- * of a float16; an e4m3 byte b is the float16 (b & 0x80) << 8 | (b & 0x7f) << 7 times 2^-8
- * (run_task puts the 2^8 on the page's descale: `unit`), and its NaN (b & 0x7f == 0x7f)
- * becomes a float16 NaN. */
-AK_INLINE ak_vf load16(const char *p, int dtype) {
-    ak_vf f;
-    if (dtype == AK_E4M3 || dtype == AK_E5M2) {
-#ifdef __FLT16_MAX__
-        ak_vu8 b8;
-        memcpy(&b8, p, sizeof b8);
-        ak_vu16 b = __builtin_convertvector(b8, ak_vu16), h;
-        if (dtype == AK_E4M3) {
-            const ak_vu16 nan = (ak_vu16)((b & 0x7f) == 0x7f);
-            h = ((b & 0x80) << 8) | ((b & 0x7f) << 7);
-            h = (h & ~nan) | (nan & 0x7e00);
-        } else {
-            h = b << 8;
-        }
-        f = half_to_float(h);
-#else
-        memset(&f, 0, sizeof f);
-#endif
-    } else if (dtype == AK_F32) {
-        memcpy(&f, p, sizeof f);
-    } else if (dtype == AK_BF16) {
-#if defined(__AVX512F__)
-        /* one widening move and a shift (GCC split the vector-extension form into halves) */
-        const __m512i u = _mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(const void *)p)), 16);
-        memcpy(&f, &u, sizeof f);
-#else
-        ak_vu16 h;
-        memcpy(&h, p, sizeof h);
-        ak_vu32 u = __builtin_convertvector(h, ak_vu32) << 16;
-        memcpy(&f, &u, sizeof f);
-#endif
-    } else {
-#ifdef __FLT16_MAX__
-        ak_vu16 h;
-        memcpy(&h, p, sizeof h);
-        f = half_to_float(h);
-#else
-        memset(&f, 0, sizeof f);
-#endif
-    }
-    return f;
-}
-
-AK_INLINE float hsum(ak_vf v) {
-    const ak_v8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-                     + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const ak_v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3)
-                     + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
-/* out[g * os] = the sum of a_g's lanes, g < 4: the four horizontal sums together (halves of
- * (a0, a1) and of (a2, a3), then quarters, each 4-lane group then holding one row, then
- * within each group), in about the instructions of one and a half */
-AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t os) {
-    const ak_vf u = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
-                                            21, 22, 23)
-                    + __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                              27, 28, 29, 30, 31);
-    const ak_vf w = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
-                                            21, 22, 23)
-                    + __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                              27, 28, 29, 30, 31);
-    /* u: row 0 in lanes 0-7, row 1 in 8-15 (w: rows 2, 3) -> x: row g in lanes 4g..4g+3 */
-    ak_vf x = __builtin_shufflevector(u, w, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
-                                      26, 27)
-              + __builtin_shufflevector(u, w, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
-                                        29, 30, 31);
-    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    out[0] = x[0];
-    out[os] = x[4];
-    out[2 * os] = x[8];
-    out[3 * os] = x[12];
-}
-
 /* ---- the vectors of the score, softmax and P V loops -------------------------------------
- * ak_vn (vecmath.h): AK_N float32 lanes, one register: 16 with AVX-512, 8 with AVX2, whose 16
- * registers of 8 lanes the 16-lane vectors took two at a time (and spilled). Rows are read
- * 16 elements (AK_W) at a time, as AK_NB vectors: load_w. */
+ * simd.h's register (akr; vecmath.h's ak_vn): AK_N float32 lanes, 16 with AVX-512, 8 with
+ * AVX2, whose 16 registers of 8 lanes the 16-lane vectors took two at a time (and spilled).
+ * Rows are read 16 elements (AK_W) at a time, as AK_NB registers: load_w. */
 #ifdef AK_AVX2
 /* bfloat16 pages are read as each 16 elements' even ones, then its odd ones (AK_EVEN_ODD):
  * one 32-byte load, a shift and a mask, half the instructions of widening the 16-bit lanes
@@ -229,120 +113,67 @@ AK_INLINE void hsum4(ak_vf a0, ak_vf a1, ak_vf a2, ak_vf a3, float *out, int64_t
  * in llvm-mca's Zen 3 model). The query rows and the P V sums of such a call are kept in
  * that order too, and the sums put back in order at the end. */
 #define AK_EVEN_ODD(dtype) ((dtype) == AK_BF16)
-
-/* e4m3 bytes known to hold no NaN (e4m3_nan looked at them first): converted without the
- * NaN step, two instructions of the ten that 16 bytes took (each cost about 5% of a decode
- * call); a code of this file only, never a page dtype a caller passes */
-#define AK_E4M3_FINITE 5
-
-/* 16 fp8 bytes at p as the float16 patterns load16 makes of them, in order: each byte to the
- * high byte of its 16-bit lane (one 16-byte broadcast and a byte shuffle within each half),
- * then for e4m3 an arithmetic shift that puts the sign in bit 15 and the rest below it, and
- * the NaN bytes to a float16 NaN (AK_E4M3_FINITE: none there) */
-AK_INLINE __m256i fp8_half16(const char *p, int dtype) {
-    const __m256i b =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
-    const __m256i high = _mm256_setr_epi8(-1, 0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7,
-                                          -1, 8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
-                                          -1, 15);
-    /* byte i << 8 in lane i */
-    const __m256i w = _mm256_shuffle_epi8(b, high);
-    if (dtype == AK_E4M3_FINITE)
-        return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF));
-    return ak_fp8_high_to_half16(w, dtype);
-}
-
-/* 1 where one of the n rows p + t * stride (`bytes` e4m3 bytes each, a multiple of 16) holds a
- * NaN byte (0x7f, 0xff), else 0: the bytewise maximum of the bytes without their signs, two
- * instructions for 32 bytes, and one compare at the end */
-AK_INLINE __m256i e4m3_look32(__m256i mx, const char *p) {
-    return _mm256_max_epu8(mx, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(const void *)p),
-                                                _mm256_set1_epi8(0x7f)));
-}
-
-AK_INLINE int e4m3_nan(const char *p, int64_t stride, int64_t n, int64_t bytes) {
-    __m256i mx[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                     _mm256_setzero_si256()}; /* (four chains of maxima: one is a latency) */
-    for (int64_t t = 0; t < n; ++t) {
-        const char *r = p + t * stride;
-        int64_t o = 0;
-        for (; o + 128 <= bytes; o += 128)
-            for (int i = 0; i < 4; ++i) mx[i] = e4m3_look32(mx[i], r + o + 32 * i);
-        for (; o + 32 <= bytes; o += 32) mx[0] = e4m3_look32(mx[0], r + o);
-        if (o < bytes)
-            mx[1] = _mm256_max_epu8(
-                mx[1], _mm256_and_si256(_mm256_zextsi128_si256(
-                                            _mm_loadu_si128((const __m128i *)(const void *)(r + o))),
-                                        _mm256_set1_epi8(0x7f)));
-    }
-    const __m256i all = _mm256_max_epu8(_mm256_max_epu8(mx[0], mx[1]), _mm256_max_epu8(mx[2], mx[3]));
-    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(all, _mm256_set1_epi8(0x7f))) != 0;
-}
-
-/* 16 elements at p as two 8-lane vectors, the values load16 gives (bfloat16: AK_EVEN_ODD) */
-AK_INLINE void load_w(const char *p, int dtype, ak_vn x[AK_NB]) {
-    const __m128i *p128 = (const __m128i *)(const void *)p;
-    __m256 f[2];
-    if (dtype == AK_F32) {
-        f[0] = _mm256_loadu_ps((const float *)(const void *)p);
-        f[1] = _mm256_loadu_ps((const float *)(const void *)p + 8);
-    } else if (dtype == AK_BF16) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)p);
-        f[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        f[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
-    } else if (dtype == AK_F16) {
-        f[0] = _mm256_cvtph_ps(_mm_loadu_si128(p128));
-        f[1] = _mm256_cvtph_ps(_mm_loadu_si128(p128 + 1));
-    } else {
-        const __m256i h = fp8_half16(p, dtype);
-        f[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-        f[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    }
-    memcpy(x, f, sizeof f);
-}
 #else
 #define AK_EVEN_ODD(dtype) 0
-
-AK_INLINE void load_w(const char *p, int dtype, ak_vn x[AK_NB]) {
-    const ak_vf f = load16(p, dtype);
-    memcpy(x, &f, sizeof f);
-}
 #endif
 
-/* x (16 lanes) in the order AK_EVEN_ODD reads a row in: its even lanes, then its odd ones */
-AK_INLINE ak_vf even_odd(ak_vf x) {
-    return __builtin_shufflevector(x, x, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-}
+/* e4m3 bytes known to hold no NaN (ak_e4m3_nan looked at them first): converted without the
+ * NaN step, two instructions of the ten that 16 bytes took (each cost about 5% of a decode
+ * call, AVX2); a code of this file only, never a page dtype a caller passes */
+#define AK_E4M3_FINITE 5
 
-#if AK_N == 16
-AK_INLINE float hsumn(ak_vn v) { return hsum(v); }
-
-/* out[g * os] = the sum of a[g]'s lanes, g < 4 */
-AK_INLINE void hsum4n(const ak_vn a[4], float *out, int64_t os) {
-    hsum4(a[0], a[1], a[2], a[3], out, os);
+/* 16 fp8 bytes at p as float32 through exact float16 bit patterns: an e5m2 byte is the high
+ * byte of a float16; an e4m3 byte b is the float16 (b & 0x80) << 8 | (b & 0x7f) << 7 times
+ * 2^-8 (run_task puts the 2^8 on the page's descale: `unit`), and its NaN (b & 0x7f == 0x7f)
+ * becomes a float16 NaN (AK_E4M3_FINITE: none there) */
+#if AKV_BITS
+AK_INLINE void fp8_w(const char *p, int dtype, akr x[AK_NB]) {
+    const akvh w = ak_fp8_high16((const uint8_t *)p); /* (fp8.h) */
+    const akv f = akv_from_f16(dtype == AK_E4M3_FINITE ? ak_e4m3_finite_half16(w)
+                                                       : ak_fp8_high_to_half16(w, dtype));
+    for (int j = 0; j < AK_NB; ++j) x[j] = akv_reg(f, j);
 }
 #else
-AK_INLINE float hsumn(ak_vn v) {
-    const ak_v4 s4 = __builtin_shufflevector(v, v, 0, 1, 2, 3)
-                     + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+/* (a target without fp8.h's instructions: the same patterns a byte at a time) */
+AK_INLINE void fp8_w(const char *p, int dtype, akr x[AK_NB]) {
+    uint16_t h[AK_W];
+    for (int i = 0; i < AK_W; ++i) {
+        const unsigned b = (uint8_t)p[i];
+        h[i] = (uint16_t)(dtype == AK_E5M2          ? b << 8
+                          : (b & 0x7f) == 0x7f      ? 0x7e00u
+                                                    : (b & 0x80) << 8 | (b & 0x7f) << 7);
+    }
+    for (int j = 0; j < AK_NB; ++j) x[j] = akr_load_f16(h + j * AK_N);
+}
+#endif
+
+/* 16 elements at p as float32 in AK_NB registers (dtype a constant wherever this is inlined),
+ * in order, or with `eo` (bfloat16, AK_NB == 2: AK_EVEN_ODD) the even ones, then the odd */
+AK_INLINE void read16(const char *p, int dtype, int eo, akr x[AK_NB]) {
+    const uint16_t *h = (const uint16_t *)(const void *)p;
+    if (dtype == AK_F32) {
+        for (int j = 0; j < AK_NB; ++j) x[j] = akr_load((const float *)(const void *)p + j * AK_N);
+    } else if (dtype == AK_BF16 && eo && AK_NB == 2) {
+        akr_load_bf16_eo(h, &x[0], &x[AK_NB - 1]);
+    } else if (dtype == AK_BF16) {
+        for (int j = 0; j < AK_NB; ++j) x[j] = akr_load_bf16(h + j * AK_N);
+    } else if (dtype == AK_F16) {
+        for (int j = 0; j < AK_NB; ++j) x[j] = akr_load_f16(h + j * AK_N);
+    } else {
+        fp8_w(p, dtype, x);
+    }
 }
 
-/* adjacent lanes of x and y added, as vhaddps does: x0+x1, x2+x3, y0+y1, y2+y3, then the same
- * of the high halves */
-#define AK_HADD8(X, Y)                                                                     \
-    (__builtin_shufflevector(X, Y, 0, 2, 8, 10, 4, 6, 12, 14)                              \
-     + __builtin_shufflevector(X, Y, 1, 3, 9, 11, 5, 7, 13, 15))
+/* 16 elements of a page row (bfloat16: in AK_EVEN_ODD's order) */
+AK_INLINE void load_w(const char *p, int dtype, akr x[AK_NB]) {
+    read16(p, dtype, AK_EVEN_ODD(dtype), x);
+}
 
-/* out[g * os] = the sum of a[g]'s lanes, g < 4: pairs of lanes, then quarters, then halves */
-AK_INLINE void hsum4n(const ak_vn a[4], float *out, int64_t os) {
-    const ak_v8 u = AK_HADD8(AK_HADD8(a[0], a[1]), AK_HADD8(a[2], a[3]));
-    const ak_v4 x = __builtin_shufflevector(u, u, 0, 1, 2, 3)
-                    + __builtin_shufflevector(u, u, 4, 5, 6, 7);
+/* out[g * os] = the sum of a[g]'s lanes, g < 4 (the four sums together: akr_rows4_add) */
+AK_INLINE void hsum4n(const akr a[4], float *out, int64_t os) {
+    const akv4 x = akr_rows4_add(a[0], a[1], a[2], a[3]);
     for (int g = 0; g < 4; ++g) out[g * os] = x[g];
 }
-#undef AK_HADD8
-#endif
 
 /* The next chunk's rows of one kv head, asked for into L2 a token at a time while this chunk
  * is computed: row[t] is chunk column t's K (or V) row of kv head 0 (NULL past the next
@@ -383,23 +214,20 @@ AK_INLINE void ahead_all(const ak_ahead *a, int64_t n) {
 AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float *out,
                       int64_t os) {
     const int esz = AK_ESZ(dtype);
-    ak_vn a[4][AK_NB];
+    akr a[4][AK_NB];
     for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < AK_NB; ++j) a[g][j] = splatn(0.0f);
+        for (int j = 0; j < AK_NB; ++j) a[g][j] = akr_set1(0.0f);
     for (int64_t d = 0; d < D; d += AK_W) {
-        ak_vn kb[AK_NB];
+        akr kb[AK_NB];
         load_w(k + d * esz, dtype, kb);
         for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < AK_NB; ++j) {
-                ak_vn qv;
-                memcpy(&qv, q + g * D + d + j * AK_N, sizeof qv);
-                a[g][j] += qv * kb[j];
-            }
+            for (int j = 0; j < AK_NB; ++j)
+                a[g][j] = akr_fmadd(akr_load(q + g * D + d + j * AK_N), kb[j], a[g][j]);
     }
-    ak_vn sums[4];
+    akr sums[4];
     for (int g = 0; g < 4; ++g) {
         sums[g] = a[g][0];
-        for (int j = 1; j < AK_NB; ++j) sums[g] += a[g][j];
+        for (int j = 1; j < AK_NB; ++j) sums[g] = akr_add(sums[g], a[g][j]);
     }
     hsum4n(sums, out, os);
 }
@@ -411,59 +239,53 @@ AK_INLINE void score4(const char *k, int dtype, const float *q, int64_t D, float
  * reduced together (pairs of lanes, quarters, then halves): out[g * os + i] for key i */
 AK_INLINE void score4x2(const char *k0, const char *k1, int dtype, const float *q, int64_t D,
                         float *out, int64_t os) {
-    __m256 a[4][2];
-    for (int g = 0; g < 4; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    akr a[4][2];
+    for (int g = 0; g < 4; ++g) a[g][0] = a[g][1] = akr_set1(0.0f);
     for (int64_t d = 0; d < D; d += AK_W) {
-        __m256 x[2][2];
-        load_w(k0 + d, dtype, (ak_vn *)(void *)x[0]);
-        load_w(k1 + d, dtype, (ak_vn *)(void *)x[1]);
-        for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < 2; ++j) {
-                __m256 qv = _mm256_loadu_ps(q + g * D + d + 8 * j);
-                __asm__("" : "+x"(qv)); /* (one load for both keys, not one folded into each) */
-                a[g][0] = _mm256_fmadd_ps(qv, x[0][j], a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(qv, x[1][j], a[g][1]);
-            }
+        akr x[2][2];
+        load_w(k0 + d, dtype, x[0]);
+        load_w(k1 + d, dtype, x[1]);
+        for (int g = 0; g < 4; ++g) {
+            akr q0 = akr_load(q + g * D + d), q1 = akr_load(q + g * D + d + 8);
+            akr_keep2(q0, q1); /* (one load for both keys, not one folded into each) */
+            a[g][0] = akr_fmadd(q0, x[0][0], a[g][0]);
+            a[g][1] = akr_fmadd(q0, x[1][0], a[g][1]);
+            a[g][0] = akr_fmadd(q1, x[0][1], a[g][0]);
+            a[g][1] = akr_fmadd(q1, x[1][1], a[g][1]);
+        }
     }
-    /* row g's two sums in lanes 2g, 2g + 1 (rows 0, 1 low, 2, 3 high), halves then apart */
-    const __m256 r01 = _mm256_hadd_ps(_mm256_hadd_ps(a[0][0], a[0][1]),
-                                      _mm256_hadd_ps(a[1][0], a[1][1]));
-    const __m256 r23 = _mm256_hadd_ps(_mm256_hadd_ps(a[2][0], a[2][1]),
-                                      _mm256_hadd_ps(a[3][0], a[3][1]));
-    const __m256 x = _mm256_add_ps(_mm256_permute2f128_ps(r01, r23, 0x20),
-                                   _mm256_permute2f128_ps(r01, r23, 0x31));
-    const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
-    _mm_storel_pi((__m64 *)(void *)out, lo);
-    _mm_storeh_pi((__m64 *)(void *)(out + os), lo);
-    _mm_storel_pi((__m64 *)(void *)(out + 2 * os), hi);
-    _mm_storeh_pi((__m64 *)(void *)(out + 3 * os), hi);
+    /* rows 0 and 1's two sums each, then rows 2 and 3's */
+    const akv4 r01 = akr_rows4_add(a[0][0], a[0][1], a[1][0], a[1][1]);
+    const akv4 r23 = akr_rows4_add(a[2][0], a[2][1], a[3][0], a[3][1]);
+    akv4_store_lo(out, r01);
+    akv4_store_hi(out + os, r01);
+    akv4_store_lo(out + 2 * os, r23);
+    akv4_store_hi(out + 3 * os, r23);
 }
 #endif
 
 AK_INLINE void score1(const char *k, int dtype, const float *q, int64_t D, float *out) {
     const int esz = AK_ESZ(dtype);
-    ak_vn a0 = splatn(0.0f), a1 = a0;
+    akr a0 = akr_set1(0.0f), a1 = a0;
     int64_t d = 0;
     for (; d + 2 * AK_N <= D; d += 2 * AK_N) {
-        ak_vn q0, q1, kb[2];
-        memcpy(&q0, q + d, sizeof q0);
-        memcpy(&q1, q + d + AK_N, sizeof q1);
+        const akr q0 = akr_load(q + d), q1 = akr_load(q + d + AK_N);
+        akr kb[2];
         if (AK_NB == 2) { /* (one 16-element load holds both blocks) */
             load_w(k + d * esz, dtype, kb);
         } else {
             load_w(k + d * esz, dtype, kb);
             load_w(k + (d + AK_N) * esz, dtype, kb + 1);
         }
-        a0 += q0 * kb[0];
-        a1 += q1 * kb[1];
+        a0 = akr_fmadd(q0, kb[0], a0);
+        a1 = akr_fmadd(q1, kb[1], a1);
     }
     for (; d < D; d += AK_W) { /* (AK_N == 16 only: D % 16 == 0) */
-        ak_vn q0, kb[AK_NB];
-        memcpy(&q0, q + d, sizeof q0);
+        akr kb[AK_NB];
         load_w(k + d * esz, dtype, kb);
-        a0 += q0 * kb[0];
+        a0 = akr_fmadd(akr_load(q + d), kb[0], a0);
     }
-    out[0] = hsumn(a0 + a1);
+    out[0] = akr_reduce_add(akr_add(a0, a1));
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -530,10 +352,10 @@ int attnkit_native_has_dpbf16(void) {
 #define AK_PV_PAR (AK_N / 8)
 
 /* a[g][j] += p[g * ps] * x[j] for ROWS rows g: one value row's 16 dims x into their sums */
-AK_INLINE void pv_fma(const ak_vn x[AK_NB], const float *p, int64_t ps, int ROWS,
-                      ak_vn a[4][AK_NB]) {
+AK_INLINE void pv_fma(const akr x[AK_NB], const float *p, int64_t ps, int ROWS,
+                      akr a[4][AK_NB]) {
     for (int g = 0; g < ROWS; ++g)
-        for (int j = 0; j < AK_NB; ++j) a[g][j] += p[g * ps] * x[j];
+        for (int j = 0; j < AK_NB; ++j) a[g][j] = akr_fmadd(akr_set1(p[g * ps]), x[j], a[g][j]);
 }
 
 /* acc_g += sum_t p[g * ps + t] * v_t for ROWS rows g (1 or 4, a constant where inlined), over
@@ -543,11 +365,11 @@ AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, con
                        int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
-        ak_vn a[4][AK_NB], b[4][AK_NB]; /* b: the odd tokens' sums (AK_PV_PAR == 2) */
+        akr a[4][AK_NB], b[4][AK_NB]; /* b: the odd tokens' sums (AK_PV_PAR == 2) */
         for (int g = 0; g < ROWS; ++g)
             for (int j = 0; j < AK_NB; ++j) {
-                memcpy(&a[g][j], acc + g * Dv + d + j * AK_N, sizeof(ak_vn));
-                b[g][j] = splatn(0.0f);
+                a[g][j] = akr_load(acc + g * Dv + d + j * AK_N);
+                b[g][j] = akr_set1(0.0f);
             }
         const char *vd = v + d * esz;
         int64_t t = 0;
@@ -556,7 +378,7 @@ AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, con
                 ahead(pf, t);
                 ahead(pf, t + 1);
             }
-            ak_vn x0[AK_NB], x1[AK_NB];
+            akr x0[AK_NB], x1[AK_NB];
             load_w(vd + t * vstride, dtype, x0);
             load_w(vd + (t + 1) * vstride, dtype, x1);
             pv_fma(x0, p + t, ps, ROWS, a);
@@ -567,14 +389,14 @@ AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, con
         }
         if (t < n) {
             if (d == 0) ahead(pf, t);
-            ak_vn x0[AK_NB];
+            akr x0[AK_NB];
             load_w(vd + t * vstride, dtype, x0);
             pv_fma(x0, p + t, ps, ROWS, a);
         }
         for (int g = 0; g < ROWS; ++g)
             for (int j = 0; j < AK_NB; ++j) {
-                if (AK_PV_PAR == 2) a[g][j] += b[g][j];
-                memcpy(acc + g * Dv + d + j * AK_N, &a[g][j], sizeof(ak_vn));
+                if (AK_PV_PAR == 2) a[g][j] = akr_add(a[g][j], b[g][j]);
+                akr_store(acc + g * Dv + d + j * AK_N, a[g][j]);
             }
     }
 }
@@ -624,7 +446,7 @@ static void pv_head(const char *v, int64_t vstride, int64_t n, int dtype, const 
 #ifdef AK_AVX2
     /* e4m3: the head's value rows (in L1 after this) looked at first, and converted without
      * the NaN step where they hold no NaN byte */
-    if (dtype == AK_E4M3 && !e4m3_nan(v, vstride, n, Dv)) {
+    if (dtype == AK_E4M3 && !ak_e4m3_nan((const uint8_t *)v, vstride, n, Dv)) {
         pv_head_t(v, vstride, n, AK_E4M3_FINITE, p, ps, Dv, rows, acc, pf);
         return;
     }
@@ -748,64 +570,37 @@ static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1,
     else pv_rows(v, vstride, t1 - t0, AK_F32, p, 0, Dv, 1, acc, NULL);
 }
 
-/* the largest lane, in a tree of halves (v holds no NaN: NaN scores never enter the running
- * maxima it is called on) */
-AK_INLINE float hmaxn(ak_vn v) {
-#if AK_N == 16
-    ak_vn w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6,
-                                      7);
-    v = selectn(w > v, w, v);
-    w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = selectn(w > v, w, v);
-    w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = selectn(w > v, w, v);
-    w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-#else
-    ak_vn w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v = selectn(w > v, w, v);
-    w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-    v = selectn(w > v, w, v);
-    w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
-#endif
-    v = selectn(w > v, w, v);
-    return v[0];
-}
-
 /* One row's score terms and visibility over a chunk's lanes [0, nw), in place: softcap
  * (cap > 0), ALiBi (slope sl, the row's position ip), -inf outside its visible lanes
  * [a, e); returns the row's largest score in the chunk (NaN lanes drop out of the max) */
 AK_INLINE float row_terms(float *sr, int64_t nw, float a, float e, float ip, float sl,
                           float cap, int alibi) {
-    ak_vn iota, mxv = splatn(-INFINITY);
-    for (int i = 0; i < AK_N; ++i) iota[i] = (float)i;
+    static const float lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const akr iota = akr_load(lanes), ninf = akr_set1(-INFINITY);
+    akr mxv = ninf;
     for (int64_t t0 = 0; t0 < nw; t0 += AK_N) {
-        ak_vn v;
-        memcpy(&v, sr + t0, sizeof v);
-        const ak_vn t = iota + (float)t0;
-        if (cap > 0.0f) v = cap * tanh_approx_n(v * (1.0f / cap));
-        if (alibi) {
-            const ak_vn dist = ip - t;
-            v -= sl * selectn(dist < 0.0f, -dist, dist);
-        }
-        v = selectn((t >= a) & (t < e), v, splatn(-INFINITY));
-        mxv = selectn(v > mxv, v, mxv);
-        memcpy(sr + t0, &v, sizeof v);
+        akr v = akr_load(sr + t0);
+        const akr t = akr_add(iota, akr_set1((float)t0));
+        if (cap > 0.0f)
+            v = akr_mul(akr_set1(cap), akr_tanh_fine(akr_mul(v, akr_set1(1.0f / cap))));
+        if (alibi) v = akr_sub(v, akr_mul(akr_set1(sl), akr_abs(akr_sub(akr_set1(ip), t))));
+        v = akr_select(akrm_and(akr_ge(t, akr_set1(a)), akr_lt(t, akr_set1(e))), v, ninf);
+        mxv = akr_max(v, mxv); /* (v where v > mxv: a NaN lane drops out) */
+        akr_store(sr + t0, v);
     }
-    return hmaxn(mxv);
+    return akr_reduce_max(mxv);
 }
 
 /* One row's softmax weights exp(s - mnew) over a chunk's lanes [0, nw), in place (0 where
  * s = -inf, NaN where NaN); returns their sum */
 AK_INLINE float row_weights(float *sr, int64_t nw, float mnew) {
-    ak_vn sumv = splatn(0.0f);
+    akr sumv = akr_set1(0.0f);
     for (int64_t t0 = 0; t0 < nw; t0 += AK_N) {
-        ak_vn v;
-        memcpy(&v, sr + t0, sizeof v);
-        const ak_vn p = exp_nonpos_n(v - mnew);
-        memcpy(sr + t0, &p, sizeof p);
-        sumv += p;
+        const akr p = akr_exp_nonpos(akr_sub(akr_load(sr + t0), akr_set1(mnew)));
+        akr_store(sr + t0, p);
+        sumv = akr_add(sumv, p);
     }
-    return hsumn(sumv);
+    return akr_reduce_add(sumv);
 }
 
 /* sc[r * AK_CHUNK + t] *= unit * descale[h] for the rows r of each kv head h, t0 <= t < t1 */
@@ -862,19 +657,19 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
                            int NB, float *out, const ak_ahead *pf) {
     const int esz = AK_ESZ(dtype);
     const int64_t D = (int64_t)NB * AK_W;
-    ak_vn qv[4][4 * AK_NB];
+    akr qv[4][4 * AK_NB];
     for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < NB * AK_NB; ++j)
-            memcpy(&qv[g][j], q + g * D + j * AK_N, sizeof(ak_vn));
+        for (int j = 0; j < NB * AK_NB; ++j) qv[g][j] = akr_load(q + g * D + j * AK_N);
     for (int64_t t = 0; t < len; ++t) {
         ahead(pf, t);
         const char *row = k + t * ks;
-        ak_vn a[4] = {splatn(0.0f), splatn(0.0f), splatn(0.0f), splatn(0.0f)};
+        akr a[4] = {akr_set1(0.0f), akr_set1(0.0f), akr_set1(0.0f), akr_set1(0.0f)};
         for (int jb = 0; jb < NB; ++jb) {
-            ak_vn kb[AK_NB];
+            akr kb[AK_NB];
             load_w(row + jb * AK_W * esz, dtype, kb);
             for (int g = 0; g < 4; ++g)
-                for (int j = 0; j < AK_NB; ++j) a[g] += qv[g][jb * AK_NB + j] * kb[j];
+                for (int j = 0; j < AK_NB; ++j)
+                    a[g] = akr_fmadd(qv[g][jb * AK_NB + j], kb[j], a[g]);
         }
         hsum4n(a, out + t, AK_CHUNK);
     }
@@ -947,7 +742,7 @@ AK_INLINE void score4_keys_dp(const uint16_t *k, int64_t ks, int64_t len, const 
 
 #if defined(AK_DPBF16) && defined(__AVX512VBMI__)
 #define AK_FP8DOT 1
-/* fp8 pages with bfloat16 queries: each fp8 byte becomes its exact value (the one load16
+/* fp8 pages with bfloat16 queries: each fp8 byte becomes its exact value (the one read16
  * gives: e4m3 times 2^-8) by two 128-entry byte tables, the low and high byte of its
  * bfloat16 pattern, looked up with vpermi2b on the byte without its sign (the sign or-ed
  * into the high byte); byte permutes then put the halves together as bfloat16 keys for the
@@ -964,9 +759,12 @@ static void fp8_tables(ak_job *job) {
     uint8_t bytes[128];
     for (int i = 0; i < 128; ++i) bytes[i] = (uint8_t)i;
     for (int i = 0; i < 128; i += AK_W) {
-        const ak_vf f = load16((const char *)bytes + i, job->dtype);
+        akr x[AK_NB];
+        float f[AK_W];
+        read16((const char *)bytes + i, job->dtype, 0, x);
+        for (int j = 0; j < AK_NB; ++j) akr_store(f + j * AK_N, x[j]);
         uint32_t u[AK_W];
-        memcpy(u, &f, sizeof u);
+        memcpy(u, f, sizeof u);
         for (int j = 0; j < AK_W; ++j) {
             job->tab[0][i + j] = (uint8_t)(u[j] >> 16); /* exact: at most 3 mantissa bits */
             job->tab[1][i + j] = (uint8_t)(u[j] >> 24);
@@ -1042,7 +840,7 @@ AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const 
 
 /* acc_g += sum_t p[g * ps + t] * v_t for ROWS rows g (a constant where inlined), over n fp8
  * value rows v_t = v + t * vstride (bytes), converted by table straight to float32 (exact,
- * as load16 gives them), two tokens a table lookup */
+ * as read16 gives them), two tokens a table lookup */
 AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float *p, int64_t ps,
                       int64_t Dv, const ak_tab *T, int ROWS, float *acc, const ak_ahead *pf) {
     const __mmask64 hi16 = 0xCCCCCCCCCCCCCCCCull; /* bytes 2, 3 of each float32 */
@@ -1483,8 +1281,9 @@ AK_INLINE void score_keys_t(const char *k, int64_t ks, int64_t kh, int64_t len, 
     if (dtype >= AK_E4M3)
         for (; t + 2 <= len; t += 2) {
             const char *kt = k + t * ks;
-            if (dtype == AK_E4M3 && !e4m3_nan(kt, kh, job->Hkv, job->D)
-                && !e4m3_nan(kt + ks, kh, job->Hkv, job->D))
+            const uint8_t *k8 = (const uint8_t *)kt;
+            if (dtype == AK_E4M3 && !ak_e4m3_nan(k8, kh, job->Hkv, job->D)
+                && !ak_e4m3_nan(k8 + ks, kh, job->Hkv, job->D))
                 score_key2_t(kt, ks, kh, t, AK_E4M3_FINITE, job, qb, groups, rows_per_head, sc,
                              next);
             else
@@ -1668,16 +1467,24 @@ static void next_rows(const ak_job *job, int64_t b, int64_t base, int64_t c0, in
  * products: exact products, the scale after) unless NULL */
 static void query_rows(const ak_job *job, int64_t b, float *qb, uint16_t *qhb) {
     const int64_t D = job->D, Lq = job->Lq, R = job->Hq * Lq;
-    const int qesz = AK_ESZ(job->q_dtype);
+    const int qesz = AK_ESZ(job->q_dtype), eo = AK_EVEN_ODD(job->dtype);
+    const akr scale = akr_set1(job->scale);
     for (int64_t r = 0; r < R; ++r) {
         const char *src = job->q + (b * job->qs_b + (r / Lq) * job->qs_h
                                     + (r % Lq) * job->qs_i) * qesz;
+        float *dst = qb + r * D;
         if (qhb) memcpy(qhb + r * D, src, (size_t)D * sizeof(uint16_t));
         for (int64_t d = 0; d < D; d += AK_W) {
-            ak_vf x = load16(src + d * qesz, job->q_dtype) * job->scale;
-            if (AK_EVEN_ODD(job->dtype)) x = even_odd(x);
-            memcpy(qb + r * D + d, &x, sizeof x);
+            akr x[AK_NB];
+            read16(src + d * qesz, job->q_dtype, eo, x);
+            for (int j = 0; j < AK_NB; ++j) akr_store(dst + d + j * AK_N, akr_mul(x[j], scale));
         }
+        if (eo && job->q_dtype != AK_BF16) /* (read16 reads only bfloat16 in that order) */
+            for (int64_t d = 0; d < D; d += AK_W) {
+                float t[AK_W];
+                memcpy(t, dst + d, sizeof t);
+                for (int i = 0; i < AK_W; ++i) dst[d + i] = t[i < 8 ? 2 * i : 2 * i - 15];
+            }
     }
 }
 
@@ -1823,7 +1630,7 @@ AK_INLINE void chunk_softmax(const ak_task *tk, int64_t c0, int64_t c1, int64_t 
             continue;
         }
         const float mnew = mx > m[r] ? mx : m[r];
-        const float alpha = exp_nonpos1(m[r] - mnew);
+        const float alpha = akr_exp_nonpos(akr_set1(m[r] - mnew))[0];
         const float sum = row_weights(sr, nw, mnew);
         if (isnan(sum)) { /* a NaN score, or +inf (the max, inf - inf): the row is NaN */
             m[r] = NAN;
@@ -2211,7 +2018,7 @@ int attnkit_decode(const void *q, int q_dtype, int math, float scale, const void
 /* ---- fp8 dequantization: x8 * descale into float32 or bfloat16, for fp8 q/k/v ----------
  *
  * src holds `slabs` slabs of `slab_len` fp8 bytes each (a (batch, head) block of a q/k/v
- * tensor), slab s scaled by descale[s]. Each value is converted exactly (load16) and
+ * tensor), slab s scaled by descale[s]. Each value is converted exactly (read16) and
  * multiplied once in float32; bfloat16 output rounds that product to nearest even (NaN stays
  * NaN), as torch's float32 -> bfloat16 cast does. */
 #define AK_DQ_BLOCK (1 << 14) /* elements a thread takes at a time */
@@ -2225,13 +2032,24 @@ typedef struct {
     int64_t next;
 } ak_dq_job;
 
-AK_INLINE void dq_store(const ak_dq_job *p, int64_t i, ak_vf f, int64_t count) {
-    if (!p->out_bf16) {
-        memcpy((float *)p->dst + i, &f, (size_t)count * sizeof(float));
-        return;
+/* 16 elements at src (fmt) times f into dst from element i on, the first `count` of them */
+AK_INLINE void dq_block(const ak_dq_job *p, const uint8_t *src, float f, int64_t i,
+                        int64_t count) {
+    akr x[AK_NB];
+    if (p->fmt == AK_E4M3) read16((const char *)src, AK_E4M3, 0, x);
+    else read16((const char *)src, AK_E5M2, 0, x);
+    float y[AK_W];
+    uint16_t h[AK_W];
+    float *fd = count == AK_W ? (float *)p->dst + i : y; /* (a tail through y or h) */
+    uint16_t *hd = count == AK_W ? (uint16_t *)p->dst + i : h;
+    for (int j = 0; j < AK_NB; ++j) {
+        const akr v = akr_mul(x[j], akr_set1(f));
+        if (p->out_bf16) akr_store_bf16(hd + j * AK_N, v);
+        else akr_store(fd + j * AK_N, v);
     }
-    const ak_vu16 h = __builtin_convertvector(ak_bf16_bits(f), ak_vu16);
-    memcpy((uint16_t *)p->dst + i, &h, (size_t)count * sizeof(uint16_t));
+    if (count == AK_W) return;
+    if (p->out_bf16) memcpy((uint16_t *)p->dst + i, h, (size_t)count * sizeof(uint16_t));
+    else memcpy((float *)p->dst + i, y, (size_t)count * sizeof(float));
 }
 
 static void dq_range(const ak_dq_job *p, int64_t a, int64_t e) {
@@ -2241,17 +2059,11 @@ static void dq_range(const ak_dq_job *p, int64_t a, int64_t e) {
         const int64_t stop = slab_end < e ? slab_end : e;
         const float f = unit * p->descale[s];
         int64_t i = a;
-        for (; i + AK_W <= stop; i += AK_W) {
-            const ak_vf v = p->fmt == AK_E4M3 ? load16((const char *)p->src + i, AK_E4M3)
-                                               : load16((const char *)p->src + i, AK_E5M2);
-            dq_store(p, i, v * f, AK_W);
-        }
+        for (; i + AK_W <= stop; i += AK_W) dq_block(p, p->src + i, f, i, AK_W);
         if (i < stop) { /* the slab's tail, through a zero-padded copy */
             uint8_t tail[AK_W] = {0};
             memcpy(tail, p->src + i, (size_t)(stop - i));
-            const ak_vf v = p->fmt == AK_E4M3 ? load16((const char *)tail, AK_E4M3)
-                                               : load16((const char *)tail, AK_E5M2);
-            dq_store(p, i, v * f, stop - i);
+            dq_block(p, tail, f, i, stop - i);
         }
         a = stop;
     }

@@ -16,8 +16,8 @@
  *        results lane for lane (NaN handling of max/min, vpmovdw's truncation, scalef on the
  *        integral exponents exp2 passes), so both builds give the same bits up to the order
  *        of float sums (the matrix products have 256-bit versions of their own in flash.c);
- *   0    any other target: the register tier only (GCC vector extensions, 8 lanes), for
- *        vecmath.h's users; flash.c is not built there.
+ *   0    any other target: the register tier only (GCC vector extensions, 8 lanes; akv4 for
+ *        akr_rows4_add), for vecmath.h's users and decode.c; flash.c is not built there.
  * Both x86 backends share the four-lane ops (SSE). A new target (NEON: akr a float32x4_t, akv
  * four of them, akv4 one) is one more section defining the types and the operations below;
  * the math after the backends is shared.
@@ -28,10 +28,18 @@
  *   akr_and  akr_or  akr_andnot (~a & b)  akr_round (to nearest even, |x| < 2^22)
  *   akr_scalef (x 2^n for integral n >= -160)  akr_lt (a < b, ordered)  akr_select (m ? a : b)
  *   akr_from4 (four lanes, the others zero)  akr_low4 (the first four lanes)
+ *   akr_load  akr_store  akr_abs  akr_ge (a >= b, ordered)  akrm_and (both masks)
+ *   akr_load_bf16  akr_load_f16 (AKR_LANES 16-bit elements as float32, in order)
+ *   akr_load_bf16_eo (2 AKR_LANES bfloat16: the even elements into one register, the odd
+ *   into another: a shift and a mask, no widening)  akr_store_bf16 (rounded to nearest even,
+ *   NaN kept quiet, as torch's casts)  akr_reduce_add (halves, then (s0 + s2) + (s1 + s3))
+ *   akr_reduce_max (halves; no NaN among the lanes)  akr_rows4_add (lane r: the sum of
+ *   register r's lanes, in the backend's own tree)
  *   (AVX2: akr_keep2, as akv_keep4 below, for flash.c's 256-bit matrix products)
  * Vector tier (akv), float32:
  *   akv_zero  akv_set1  akv_load  akv_store  akv_add  akv_sub  akv_mul  akv_div  akv_fmadd
  *   akv_fnmadd  akv_max  akv_min (as akr's)  akv_abs  akv_blend (m ? b : a, as vblendmps)
+ *   akv_reg (register i of the AKV_REGS registers that make a vector, i a constant)
  *   akv_maskz (m ? a : 0)  akv_maskz_mul (m ? a b : 0)  akv_isnan  akv_from_i (int32 to
  *   float)  akv_reduce_add  akv_reduce_max  akv_rows4 (lane r of the result: the sum or the
  *   maximum of vector r's 16 lanes; akv_rows4_add, akv_rows4_max)  akv_keep4 (holds four
@@ -48,8 +56,8 @@
  *   lane times those of the other's, 64-bit products)  akvi_srli_64  akvi_xor3
  *   akvi_low32 (the low words of a's 8 lanes, then of b's)
  * 4 lanes (akv4):
- *   akv4_load  akv4_store  akv4_set1  akv4_add  akv4_sub  akv4_mul  akv4_max  akv4_eq
- *   akv4_select (m ? a : b)
+ *   akv4_load  akv4_store  akv4_store_lo  akv4_store_hi (lanes 0-1, 2-3)  akv4_set1  akv4_add
+ *   akv4_sub  akv4_mul  akv4_max  akv4_eq  akv4_select (m ? a : b)
  * The math, written once after the backends on the register (akr_; akv_ applies it to each
  * register of a vector, AKV_EACH; akv4_exp2 to four lanes):
  *   pow2 (the one exponential: 2^n p(f))  exp2 (x <= 0; exp2_bf: to bfloat16's precision)
@@ -59,6 +67,7 @@
 #define ATTNKIT_SIMD_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define AKV_FN static inline __attribute__((always_inline))
 
@@ -96,8 +105,68 @@ AKV_FN akrm akr_lt(akr a, akr b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); 
 AKV_FN akr akr_select(akrm m, akr a, akr b) { return _mm512_mask_blend_ps(m, b, a); }
 AKV_FN akr akr_from4(akv4 x) { return _mm512_zextps128_ps512(x); }
 AKV_FN akv4 akr_low4(akr x) { return _mm512_castps512_ps128(x); }
+AKV_FN akr akr_load(const float *p) { return _mm512_loadu_ps(p); }
+AKV_FN void akr_store(float *p, akr x) { _mm512_storeu_ps(p, x); }
+AKV_FN akr akr_abs(akr x) { return _mm512_abs_ps(x); }
+AKV_FN akrm akr_ge(akr a, akr b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+AKV_FN akrm akrm_and(akrm m, akrm n) { return m & n; }
+AKV_FN akr akr_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AKV_FN void akr_load_bf16_eo(const uint16_t *p, akr *even, akr *odd) {
+    const __m512i w = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+AKV_FN akr akr_load_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+AKV_FN void akr_store_bf16(uint16_t *p, akr x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q)));
+}
+AKV_FN __m256 akr_high8(akr x) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+}
+AKV_FN float akr_reduce_add(akr x) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x), akr_high8(x));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+AKV_FN float akr_reduce_max(akr x) {
+    const __m256 h = _mm256_max_ps(akr_high8(x), _mm512_castps512_ps256(x));
+    __m128 s = _mm_max_ps(_mm256_extractf128_ps(h, 1), _mm256_castps256_ps128(h));
+    s = _mm_max_ps(_mm_permute_ps(s, 0x4E), s);
+    return _mm_cvtss_f32(_mm_max_ps(_mm_permute_ps(s, 0xB1), s));
+}
+/* halves of (x0, x1) and of (x2, x3), then quarters (register r's four partial sums in
+ * 128-bit lane r), then within each lane: the tree of akr_reduce_add for every register */
+AKV_FN akv4 akr_rows4_add(akr x0, akr x1, akr x2, akr x3) {
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44),
+                                   _mm512_shuffle_f32x4(x0, x1, 0xEE));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44),
+                                   _mm512_shuffle_f32x4(x2, x3, 0xEE));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
+}
 #define AKV_EACH(F, x) F(x) /* F (on a register) on each register of vector x */
+#define AKV_REGS 1
 
+AKV_FN akr akv_reg(akv x, int i) {
+    (void)i;
+    return x;
+}
 AKV_FN akv akv_zero(void) { return _mm512_setzero_ps(); }
 AKV_FN akv akv_set1(float x) { return _mm512_set1_ps(x); }
 AKV_FN akv akv_load(const float *p) { return _mm512_loadu_ps(p); }
@@ -222,7 +291,52 @@ AKV_FN akrm akr_lt(akr a, akr b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
 AKV_FN akr akr_select(akrm m, akr a, akr b) { return _mm256_blendv_ps(b, a, m); }
 AKV_FN akr akr_from4(akv4 x) { return _mm256_zextps128_ps256(x); }
 AKV_FN akv4 akr_low4(akr x) { return _mm256_castps256_ps128(x); }
+AKV_FN akr akr_load(const float *p) { return _mm256_loadu_ps(p); }
+AKV_FN void akr_store(float *p, akr x) { _mm256_storeu_ps(p, x); }
+AKV_FN akr akr_abs(akr x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+AKV_FN akrm akr_ge(akr a, akr b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+AKV_FN akrm akrm_and(akrm m, akrm n) { return _mm256_and_ps(m, n); }
+AKV_FN akr akr_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AKV_FN void akr_load_bf16_eo(const uint16_t *p, akr *even, akr *odd) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+AKV_FN akr akr_load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+AKV_FN void akr_store_bf16(uint16_t *p, akr x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i b = _mm256_blendv_epi8(r, q, nan); /* (every lane below 2^16: packs exactly) */
+    _mm_storeu_si128((__m128i *)p,
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+AKV_FN float akr_reduce_add(akr x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+AKV_FN float akr_reduce_max(akr x) {
+    __m128 s = _mm_max_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    s = _mm_max_ps(_mm_permute_ps(s, 0x4E), s);
+    return _mm_cvtss_f32(_mm_max_ps(_mm_permute_ps(s, 0xB1), s));
+}
+/* pairs of lanes (vhaddps), twice, then the halves */
+AKV_FN akv4 akr_rows4_add(akr x0, akr x1, akr x2, akr x3) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
 #define AKV_EACH(F, x) akv_of(F((x).lo), F((x).hi))
+#define AKV_REGS 2
 /* holds two registers (a loaded operand read by several multiply-adds is then loaded once,
  * not folded into each of them) */
 #define akr_keep2(a, b) __asm__("" : "+x"(a), "+x"(b))
@@ -230,6 +344,7 @@ AKV_FN akv4 akr_low4(akr x) { return _mm256_castps256_ps128(x); }
 /* (backend-specific: flash.c's 256-bit matrix products build their vectors with these) */
 AKV_FN akv akv_of(__m256 lo, __m256 hi) { return (akv){lo, hi}; }
 AKV_FN akvi akvi_of(__m256i lo, __m256i hi) { return (akvi){lo, hi}; }
+AKV_FN akr akv_reg(akv x, int i) { return i ? x.hi : x.lo; }
 
 /* lane masks <-> integers */
 AKV_FN __m256 akv_lanes8(unsigned k) { /* bit t of k -> all ones in lane t */
@@ -426,12 +541,80 @@ AKV_FN akr akr_scalef(akr x, akr n) { /* two exact powers of two, as the AVX2 ba
     const akrm t = __builtin_convertvector(n, akrm), h = t >> 1;
     return x * (akr)((h + 127) << 23) * (akr)((t - h + 127) << 23);
 }
+
+typedef float akv4 __attribute__((vector_size(16)));
+typedef uint32_t akru __attribute__((vector_size(4 * AKR_LANES)));
+typedef uint16_t akrh __attribute__((vector_size(2 * AKR_LANES)));
+
+AKV_FN akr akr_load(const float *p) {
+    akr x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+AKV_FN void akr_store(float *p, akr x) { memcpy(p, &x, sizeof x); }
+AKV_FN akr akr_abs(akr x) { return akr_andnot(akr_set1(-0.0f), x); }
+AKV_FN akrm akr_ge(akr a, akr b) { return a >= b; }
+AKV_FN akrm akrm_and(akrm m, akrm n) { return m & n; }
+AKV_FN akr akr_load_bf16(const uint16_t *p) {
+    akrh h;
+    memcpy(&h, p, sizeof h);
+    return (akr)(__builtin_convertvector(h, akru) << 16);
+}
+AKV_FN void akr_load_bf16_eo(const uint16_t *p, akr *even, akr *odd) {
+    akru w; /* (little-endian: element 2i is the low half of word i) */
+    memcpy(&w, p, sizeof w);
+    *even = (akr)(w << 16);
+    *odd = (akr)(w & 0xFFFF0000u);
+}
+AKV_FN akr akr_load_f16(const uint16_t *p) {
+#ifdef __FLT16_MAX__
+    typedef _Float16 akrf16 __attribute__((vector_size(2 * AKR_LANES)));
+    akrf16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, akr);
+#else
+    (void)p;
+    return akr_set1(0.0f); /* (the kernels refuse float16 without _Float16) */
+#endif
+}
+AKV_FN void akr_store_bf16(uint16_t *p, akr x) {
+    const akru u = (akru)x;
+    const akru nan = (akru)((u & 0x7fffffffu) > 0x7f800000u);
+    const akru r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const akrh h = __builtin_convertvector((r & ~nan) | (((u >> 16) | 0x40u) & nan), akrh);
+    memcpy(p, &h, sizeof h);
+}
+AKV_FN float akr_reduce_add(akr x) {
+    const akv4 s = __builtin_shufflevector(x, x, 0, 1, 2, 3)
+                   + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+AKV_FN float akr_reduce_max(akr x) {
+    akr w = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x = akr_max(w, x);
+    w = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x = akr_max(w, x);
+    w = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+    return akr_max(w, x)[0];
+}
+/* adjacent lanes of x and y added, as vhaddps does: x0+x1, x2+x3, y0+y1, y2+y3, then the same
+ * of the high halves */
+#define AKR_HADD(X, Y)                                                                     \
+    (__builtin_shufflevector(X, Y, 0, 2, 8, 10, 4, 6, 12, 14)                              \
+     + __builtin_shufflevector(X, Y, 1, 3, 9, 11, 5, 7, 13, 15))
+AKV_FN akv4 akr_rows4_add(akr x0, akr x1, akr x2, akr x3) {
+    const akr u = AKR_HADD(AKR_HADD(x0, x1), AKR_HADD(x2, x3));
+    return __builtin_shufflevector(u, u, 0, 1, 2, 3) + __builtin_shufflevector(u, u, 4, 5, 6, 7);
+}
+#undef AKR_HADD
 #endif
 
 #if AKV_BITS == 512 || AKV_BITS == 256
 /* ---- both x86 backends: four lanes are SSE's --------------------------------------------- */
 AKV_FN akv4 akv4_load(const float *p) { return _mm_loadu_ps(p); }
 AKV_FN void akv4_store(float *p, akv4 x) { _mm_storeu_ps(p, x); }
+AKV_FN void akv4_store_lo(float *p, akv4 x) { _mm_storel_pi((__m64 *)(void *)p, x); }
+AKV_FN void akv4_store_hi(float *p, akv4 x) { _mm_storeh_pi((__m64 *)(void *)p, x); }
 AKV_FN akv4 akv4_set1(float x) { return _mm_set1_ps(x); }
 AKV_FN akv4 akv4_add(akv4 a, akv4 b) { return _mm_add_ps(a, b); }
 AKV_FN akv4 akv4_sub(akv4 a, akv4 b) { return _mm_sub_ps(a, b); }

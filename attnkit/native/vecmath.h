@@ -1,7 +1,8 @@
-/* attnkit native kernels: float32 vector math shared by decode.c, softcap.c and terms.c
- * (GCC/Clang vector extensions, so any target gets them): 16-lane vectors (ak_vf; one register
- * each on AVX-512 machines) and the native vector of one register (ak_vn, simd.h's akr), with
- * simd.h's exp and tanh.
+/* attnkit native kernels: float32 vector math shared by softcap.c and terms.c (GCC/Clang
+ * vector extensions, so any target gets them): 16-lane vectors (ak_vf; one register each on
+ * AVX-512 machines) and the native vector of one register (ak_vn, simd.h's akr), with
+ * simd.h's tanh. (decode.c is written in simd.h; its MLA score tiles still name ak_vn and
+ * splatn.)
  */
 #ifndef ATTNKIT_VECMATH_H
 #define ATTNKIT_VECMATH_H
@@ -45,13 +46,12 @@ AK_INLINE ak_vu32 ak_bf16_bits(ak_vf f) {
 
 /* The native vector: AK_N float32 lanes, one register: 16 with AVX-512, else 8 (AVX2's
  * 256-bit registers: GCC keeps the 16-lane vectors of such a target in memory and compares
- * them lane by lane). exp and tanh are simd.h's on it (the _n functions); the 16-lane forms
- * apply them to each of their AK_NB registers' worth. */
+ * them lane by lane). tanh is simd.h's on it (tanh_approx_n); the 16-lane form applies it to
+ * each of its AK_NB registers' worth. */
 #define AK_N AKR_LANES /* (simd.h's register) */
 #define AK_NB (AK_W / AK_N)
 
 typedef float ak_vn __attribute__((vector_size(4 * AK_N)));
-typedef int32_t ak_vni __attribute__((vector_size(4 * AK_N)));
 
 AK_INLINE ak_vn splatn(float x) {
     ak_vn v;
@@ -59,15 +59,7 @@ AK_INLINE ak_vn splatn(float x) {
     return v;
 }
 
-/* lanes of a where mask m is set (all bits), else b */
-AK_INLINE ak_vn selectn(ak_vni m, ak_vn a, ak_vn b) {
-    return (ak_vn)(((ak_vni)a & m) | ((ak_vni)b & ~m));
-}
-
-/* exp(x) for x <= 0 (scores minus their running max), relative error below 2e-7, and tanh(x),
- * absolute error about 1e-7: simd.h's (akr_exp_nonpos, akr_tanh_fine; their -inf and NaN
- * handling there: decode.c relies on NaN staying NaN) */
-AK_INLINE ak_vn exp_nonpos_n(ak_vn x) { return (ak_vn)akr_exp_nonpos((akr)x); }
+/* tanh(x), absolute error about 1e-7: simd.h's akr_tanh_fine (NaN stays NaN) */
 AK_INLINE ak_vn tanh_approx_n(ak_vn x) { return (ak_vn)akr_tanh_fine((akr)x); }
 
 /* F (an _n function) on each native register's worth of the 16 lanes of x */
@@ -78,16 +70,6 @@ AK_INLINE ak_vn tanh_approx_n(ak_vn x) { return (ak_vn)akr_tanh_fine((akr)x); }
         for (int i_ = 0; i_ < AK_NB; ++i_) h_[i_] = F(h_[i_]);                             \
         memcpy(&(x), h_, sizeof h_);                                                       \
     } while (0)
-
-/* exp_nonpos_n, 16 lanes */
-AK_INLINE ak_vf exp_nonpos(ak_vf x) {
-    AK_ON_EACH(exp_nonpos_n, x);
-    return x;
-}
-
-AK_INLINE float exp_nonpos1(float x) {
-    return exp_nonpos_n(splatn(x))[0];
-}
 
 /* tanh_approx_n, 16 lanes */
 AK_INLINE ak_vf tanh_approx(ak_vf x) {
