@@ -207,6 +207,21 @@ AK_INLINE void ahead_all(const ak_ahead *a, int64_t n) {
     for (int64_t t = 0; t < n; ++t) ahead(a, t);
 }
 
+/* Part `part` of `parts` of what ahead() asks for row by row: lines [*l0, *l1) of each row, so
+ * that a loop in parts (the d blocks of P V, say) spreads the rows' lines over its passes */
+AK_INLINE void ahead_part(const ak_ahead *a, int64_t part, int64_t parts, int64_t *l0,
+                          int64_t *l1) {
+    const int64_t n = a ? (a->bytes + 63) / 64 : 0;
+    *l0 = part * n / parts;
+    *l1 = (part + 1) * n / parts;
+}
+
+AK_INLINE void ahead_lines(const ak_ahead *a, int64_t t, int64_t l0, int64_t l1) {
+    if (l0 >= l1 || !a->row[t]) return;
+    const char *p = a->row[t] + a->off;
+    for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(p + 64 * l, 0, 2);
+}
+
 /* out[g * os] = q_g . k for 4 query rows q_g = q + g * D (q from L1: for larger D they do not
  * fit in registers), the sums of each native vector of 16 elements apart: eight chains of
  * multiply-adds in flight with AVX2 (the sums of 4 rows alone left the loop waiting on their
@@ -480,7 +495,8 @@ AK_INLINE void pv_dp_pair(__m512i x0, __m512i x1, const uint32_t pw[4][AK_PW], i
 }
 
 AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float *p,
-                          int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf) {
+                          int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf,
+                          int64_t part0, int64_t parts) {
     uint32_t pw[4][AK_PW]; /* row g's weights in bfloat16, pair i = (p_2i, p_2i+1) */
     for (int g = 0; g < ROWS; ++g)
         for (int64_t t = 0; t < n; t += 16) {
@@ -499,13 +515,13 @@ AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float
         for (int b = 0; b < 2; ++b)
             for (int g = 0; g < 4; ++g) lo[b][g] = hi[b][g] = _mm512_setzero_ps();
         const char *vd = v + d * 2;
+        int64_t l0, l1; /* this d block's lines of the next rows (pf: part0 + d block) */
+        ahead_part(pf, part0 + d / (32 * DB), parts, &l0, &l1);
         int64_t i = 0;
         for (; i < pairs; ++i) {
             const int64_t t = 2 * i;
-            if (d == 0) {
-                ahead(pf, t);
-                ahead(pf, t + 1);
-            }
+            ahead_lines(pf, t, l0, l1);
+            ahead_lines(pf, t + 1, l0, l1);
             const char *r0 = vd + t * vstride, *r1 = r0 + vstride;
             for (int b = 0; b < DB; ++b)
                 pv_dp_pair(_mm512_loadu_si512((const void *)(r0 + 64 * b)),
@@ -513,7 +529,7 @@ AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float
                            hi[b]);
         }
         if (n & 1) { /* the last key with a zero row */
-            if (d == 0) ahead(pf, n - 1);
+            ahead_lines(pf, n - 1, l0, l1);
             const char *r0 = vd + (n - 1) * vstride;
             for (int b = 0; b < DB; ++b)
                 pv_dp_pair(_mm512_loadu_si512((const void *)(r0 + 64 * b)),
@@ -536,9 +552,14 @@ static void pv_head_dp(const char *v, int64_t vstride, int64_t n, const float *p
                        int64_t Dv, int64_t rows, float *acc, const ak_ahead *pf) {
     int64_t r = 0;
     if (rows < 4) ahead_all(pf, n);
+    /* the next rows' lines spread over every group's d blocks (all at once waited on the
+     * core's miss slots) */
+    const int64_t blocks = Dv / (Dv % 64 == 0 ? 64 : 32), parts = rows / 4 * blocks;
     for (; r + 4 <= rows; r += 4)
-        pv_dp_rows(v, vstride, n, p + r * ps, ps, Dv, 4, acc + r * Dv, r == 0 ? pf : NULL);
-    for (; r < rows; ++r) pv_dp_rows(v, vstride, n, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL);
+        pv_dp_rows(v, vstride, n, p + r * ps, ps, Dv, 4, acc + r * Dv, pf, r / 4 * blocks,
+                   parts);
+    for (; r < rows; ++r)
+        pv_dp_rows(v, vstride, n, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL, 0, 1);
 }
 #endif
 
@@ -1709,7 +1730,7 @@ AK_INLINE void head_pv(const ak_task *tk, const ak_seg *seg, int64_t h, const ch
             row_span(w->lo[r], w->hi[r], c0, c1, st, se, &t0, &t1);
             if (t1 > t0)
                 pv_dp_rows(vh + (t0 - st) * job->vs_tok * esz, job->vs_tok * esz, t1 - t0,
-                           sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv, NULL);
+                           sc + r * AK_CHUNK + t0, 0, Dv, 1, acc + r * Dv, NULL, 0, 1);
         }
         return;
     }
