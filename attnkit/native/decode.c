@@ -377,9 +377,12 @@ AK_INLINE void pv_fma(const akr x[AK_NB], const float *p, int64_t ps, int ROWS,
  * n value rows v_t = v + t * vstride (the next chunk's rows asked for from pf, NULL: none):
  * two tokens a step, both rows loaded before their multiply-adds */
 AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, const float *p,
-                       int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf) {
+                       int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf,
+                       int64_t part0, int64_t parts) {
     const int esz = AK_ESZ(dtype);
     for (int64_t d = 0; d < Dv; d += AK_W) {
+        int64_t l0, l1; /* this d block's lines of the next rows (pf: part0 + d block) */
+        ahead_part(pf, part0 + d / AK_W, parts, &l0, &l1);
         akr a[4][AK_NB], b[4][AK_NB]; /* b: the odd tokens' sums (AK_PV_PAR == 2) */
         for (int g = 0; g < ROWS; ++g)
             for (int j = 0; j < AK_NB; ++j) {
@@ -389,10 +392,8 @@ AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, con
         const char *vd = v + d * esz;
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
-            if (d == 0) {
-                ahead(pf, t);
-                ahead(pf, t + 1);
-            }
+            ahead_lines(pf, t, l0, l1);
+            ahead_lines(pf, t + 1, l0, l1);
             akr x0[AK_NB], x1[AK_NB];
             load_w(vd + t * vstride, dtype, x0);
             load_w(vd + (t + 1) * vstride, dtype, x1);
@@ -403,7 +404,7 @@ AK_INLINE void pv_rows(const char *v, int64_t vstride, int64_t n, int dtype, con
                 pv_fma(x1, p + t + 1, ps, ROWS, a);
         }
         if (t < n) {
-            if (d == 0) ahead(pf, t);
+            ahead_lines(pf, t, l0, l1);
             akr x0[AK_NB];
             load_w(vd + t * vstride, dtype, x0);
             pv_fma(x0, p + t, ps, ROWS, a);
@@ -429,10 +430,13 @@ AK_INLINE void pv_head_t(const char *v, int64_t vstride, int64_t n, int dtype, c
                          const ak_ahead *pf) {
     int64_t r = 0;
     if (rows < 4) ahead_all(pf, n);
+    /* the next rows' lines spread over every group's d blocks (as pv_head_dp) */
+    const int64_t blocks = (Dv + AK_W - 1) / AK_W, parts = rows / 4 * blocks;
     for (; r + 4 <= rows; r += 4)
-        pv_rows(v, vstride, n, dtype, p + r * ps, ps, Dv, 4, acc + r * Dv, r == 0 ? pf : NULL);
+        pv_rows(v, vstride, n, dtype, p + r * ps, ps, Dv, 4, acc + r * Dv, pf, r / 4 * blocks,
+                parts);
     for (; r < rows; ++r)
-        pv_rows(v, vstride, n, dtype, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL);
+        pv_rows(v, vstride, n, dtype, p + r * ps, 0, Dv, 1, acc + r * Dv, NULL, 0, 1);
 }
 
 AK_INLINE void score_head(const char *k, int dtype, const float *q, const uint16_t *qh,
@@ -582,13 +586,14 @@ AK_INLINE void visible_range(int64_t ip, int64_t L, int has_left, int64_t left, 
 static void pv_row_range(const char *v, int64_t vstride, int64_t t0, int64_t t1, int dtype,
                          const float *p, int64_t Dv, float *acc) {
     if (t1 <= t0) return;
+    const int64_t n = t1 - t0;
     v += t0 * vstride;
     p += t0;
-    if (dtype == AK_BF16) pv_rows(v, vstride, t1 - t0, AK_BF16, p, 0, Dv, 1, acc, NULL);
-    else if (dtype == AK_F16) pv_rows(v, vstride, t1 - t0, AK_F16, p, 0, Dv, 1, acc, NULL);
-    else if (dtype == AK_E4M3) pv_rows(v, vstride, t1 - t0, AK_E4M3, p, 0, Dv, 1, acc, NULL);
-    else if (dtype == AK_E5M2) pv_rows(v, vstride, t1 - t0, AK_E5M2, p, 0, Dv, 1, acc, NULL);
-    else pv_rows(v, vstride, t1 - t0, AK_F32, p, 0, Dv, 1, acc, NULL);
+    if (dtype == AK_BF16) pv_rows(v, vstride, n, AK_BF16, p, 0, Dv, 1, acc, NULL, 0, 1);
+    else if (dtype == AK_F16) pv_rows(v, vstride, n, AK_F16, p, 0, Dv, 1, acc, NULL, 0, 1);
+    else if (dtype == AK_E4M3) pv_rows(v, vstride, n, AK_E4M3, p, 0, Dv, 1, acc, NULL, 0, 1);
+    else if (dtype == AK_E5M2) pv_rows(v, vstride, n, AK_E5M2, p, 0, Dv, 1, acc, NULL, 0, 1);
+    else pv_rows(v, vstride, n, AK_F32, p, 0, Dv, 1, acc, NULL, 0, 1);
 }
 
 /* One row's score terms and visibility over a chunk's lanes [0, nw), in place: softcap
@@ -863,9 +868,12 @@ AK_INLINE void score4_keys_dp8(const uint8_t *k, int64_t ks, int64_t len, const 
  * value rows v_t = v + t * vstride (bytes), converted by table straight to float32 (exact,
  * as read16 gives them), two tokens a table lookup */
 AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float *p, int64_t ps,
-                      int64_t Dv, const ak_tab *T, int ROWS, float *acc, const ak_ahead *pf) {
+                      int64_t Dv, const ak_tab *T, int ROWS, float *acc, const ak_ahead *pf,
+                      int64_t part0, int64_t parts) {
     const __mmask64 hi16 = 0xCCCCCCCCCCCCCCCCull; /* bytes 2, 3 of each float32 */
     for (int64_t d = 0; d < Dv; d += 32) {
+        int64_t l0, l1; /* this d block's lines of the next rows (pf: part0 + d block) */
+        ahead_part(pf, part0 + d / 32, parts, &l0, &l1);
         __m512 a[4][2], b[4][2];
         for (int g = 0; g < ROWS; ++g) {
             a[g][0] = _mm512_loadu_ps(acc + g * Dv + d);
@@ -874,10 +882,8 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
         }
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
-            if (d == 0) {
-                ahead(pf, t);
-                ahead(pf, t + 1);
-            }
+            ahead_lines(pf, t, l0, l1);
+            ahead_lines(pf, t + 1, l0, l1);
             const uint8_t *r0 = v + t * vstride + d;
             const __m512i x = _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const void *)r0)),
@@ -898,7 +904,7 @@ AK_INLINE void pv_tab(const uint8_t *v, int64_t vstride, int64_t n, const float 
             }
         }
         if (t < n) {
-            if (d == 0) ahead(pf, t);
+            ahead_lines(pf, t, l0, l1);
             const uint8_t *r0 = v + t * vstride + d;
             __m512i lo, hi;
             fp8_halves(_mm512_zextsi256_si512(_mm256_loadu_si256((const void *)r0)), T, &lo,
@@ -1707,13 +1713,16 @@ AK_INLINE void head_pv(const ak_task *tk, const ak_seg *seg, int64_t h, const ch
     if (whole && tk->fp8dot) { /* fp8 values by table */
         const uint8_t *v8 = (const uint8_t *)vh;
         const float *pr = sc + r0 * AK_CHUNK + st;
+        /* the next rows' lines spread over every group's d blocks (as pv_head_dp) */
+        const int64_t blocks = Dv / 32, groups = (r1 - r0) / 4;
+        const int64_t parts = (groups > 0 ? groups : 1) * blocks;
         int64_t r = r0;
         for (; r + 4 <= r1; r += 4, pr += 4 * AK_CHUNK)
-            pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, tk->T, 4, acc + r * Dv,
-                   r == r0 ? next : NULL);
+            pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, tk->T, 4, acc + r * Dv, next,
+                   (r - r0) / 4 * blocks, parts);
         for (; r < r1; ++r, pr += AK_CHUNK)
             pv_tab(v8, job->vs_tok, len, pr, AK_CHUNK, Dv, tk->T, 1, acc + r * Dv,
-                   r == r0 ? next : NULL);
+                   r == r0 ? next : NULL, 0, parts);
         return;
     }
 #endif
