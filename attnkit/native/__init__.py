@@ -475,7 +475,7 @@ def _built_here(cc: str, source: bytes, info: dict) -> Iterator[Union[Path, str]
     # ATTNKIT_NATIVE_AVX512=0: this CPU's instructions short of AVX-512 (the kernels' AVX2
     # paths; what a CPU without AVX-512 runs, and its tests on one that has it)
     native = ("-march=native",) + (() if _avx512_allowed() else ("-mno-avx512f",))
-    # -fopenmp: the flash kernel may run on torch's OpenMP threads (pool.c's ak_team_run);
+    # -fopenmp: the kernels may run on torch's OpenMP threads (pool.c's ak_team_run);
     # without it (a compiler that lacks OpenMP), on attnkit's own pool
     for extra in (native + ("-fopenmp",), native, ()):
         key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS + extra).encode(),
@@ -581,7 +581,7 @@ def _openmp_runtimes() -> Optional[set]:
 
 
 def _choose_team(lib: Any) -> str:
-    """Where the flash kernel's parallel regions run: ``"openmp"``, torch's own OpenMP
+    """Where the kernels' parallel regions run: ``"openmp"``, torch's own OpenMP
     threads, when the library was built with OpenMP, torch's parallel backend is OpenMP and
     the process holds one OpenMP runtime (so the library's is torch's: on Linux the loader
     gives both the already loaded ``libgomp.so.1``); else ``"pool"``, attnkit's own threads.
@@ -1802,7 +1802,7 @@ def pool_stats() -> dict:
 
 
 def _team_tune(late_ns: int = -1, hold_ns: int = -1) -> None:
-    """For tests: a flash call on torch's OpenMP team one of whose threads starts more than
+    """For tests: a kernel call on torch's OpenMP team one of whose threads starts more than
     ``late_ns`` after the call (< 0: every call) sends the calls of the next ``hold_ns`` to
     the pool; both -1 restore the defaults (1 ms, 200 ms). Ends any hold in force."""
     lib = _lib()
