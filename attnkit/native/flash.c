@@ -214,9 +214,11 @@ static inline void ak_scores_bf(const uint32_t *q, int64_t dp, const uint32_t *k
 }
 
 /* O[rows] = O * alpha + P V over njp key pairs: p rows of AK_FN / 2 pairs (bfloat16),
- * vp[jp][dv] the two keys' values of each column as one pair */
-static inline void ak_pv_bf(float *o, int64_t dv, const float *alpha, const uint32_t *p,
-                            const uint32_t *vp, int64_t njp) {
+ * vp[jp][dv] the two keys' values of each column as one pair (not inlined: inside the
+ * forward's item its loop had too few registers and reloaded two of the four values) */
+static __attribute__((noinline)) void ak_pv_bf(float *o, int64_t dv, const float *alpha,
+                                               const uint32_t *p, const uint32_t *vp,
+                                               int64_t njp) {
     int64_t c0 = 0;
     for (; c0 + 64 <= dv; c0 += 64) {
         __m512 acc[AK_FR][4];
