@@ -498,9 +498,11 @@ AK_INLINE void pv_dp_pair(__m512i x0, __m512i x1, const uint32_t pw[4][AK_PW], i
     }
 }
 
-AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float *p,
-                          int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf,
-                          int64_t part0, int64_t parts) {
+/* pv_dp_rows for DB blocks of 32 columns per pass over the keys (a constant where inlined: a
+ * count read at run time kept the pass's sums in memory-tracked flags) */
+AK_INLINE void pv_dp_rows_db(const char *v, int64_t vstride, int64_t n, const float *p,
+                             int64_t ps, int64_t Dv, int ROWS, float *acc,
+                             const ak_ahead *pf, int64_t part0, int64_t parts, const int DB) {
     uint32_t pw[4][AK_PW]; /* row g's weights in bfloat16, pair i = (p_2i, p_2i+1) */
     for (int g = 0; g < ROWS; ++g)
         for (int64_t t = 0; t < n; t += 16) {
@@ -513,11 +515,10 @@ AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float
     const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
                                          30, 31);
-    const int DB = Dv % 64 == 0 ? 2 : 1;
     for (int64_t d = 0; d < Dv; d += 32 * DB) {
         __m512 lo[2][4], hi[2][4];
-        for (int b = 0; b < 2; ++b)
-            for (int g = 0; g < 4; ++g) lo[b][g] = hi[b][g] = _mm512_setzero_ps();
+        for (int b = 0; b < DB; ++b)
+            for (int g = 0; g < ROWS; ++g) lo[b][g] = hi[b][g] = _mm512_setzero_ps();
         const char *vd = v + d * 2;
         int64_t l0, l1; /* this d block's lines of the next rows (pf: part0 + d block) */
         ahead_part(pf, part0 + d / (32 * DB), parts, &l0, &l1);
@@ -549,6 +550,15 @@ AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float
                                                _mm512_permutex2var_ps(lo[b][g], i1, hi[b][g])));
             }
     }
+}
+
+AK_INLINE void pv_dp_rows(const char *v, int64_t vstride, int64_t n, const float *p,
+                          int64_t ps, int64_t Dv, int ROWS, float *acc, const ak_ahead *pf,
+                          int64_t part0, int64_t parts) {
+    if (Dv % 64 == 0)
+        pv_dp_rows_db(v, vstride, n, p, ps, Dv, ROWS, acc, pf, part0, parts, 2);
+    else
+        pv_dp_rows_db(v, vstride, n, p, ps, Dv, ROWS, acc, pf, part0, parts, 1);
 }
 
 /* pv_head's bf16_pv form: the head's rows four at a time, then one at a time */
