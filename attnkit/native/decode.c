@@ -313,18 +313,6 @@ AK_INLINE __m512bh ak_bh(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512((const void *)p);
 }
 
-/* the four rows' sums of (a0, a1, a2, a3) in 128-bit lane g (row g; all four elements):
- * halves of (a0, a1) and (a2, a3), then quarters, then within each lane */
-AK_INLINE __m512 sums4_dp(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-}
-
 AK_INLINE void score4_dp(const uint16_t *k, const uint16_t *q, int64_t D, float scale,
                          float *out, int64_t os) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -336,7 +324,7 @@ AK_INLINE void score4_dp(const uint16_t *k, const uint16_t *q, int64_t D, float 
         a2 = _mm512_dpbf16_ps(a2, ak_bh(q + 2 * D + d), kv);
         a3 = _mm512_dpbf16_ps(a3, ak_bh(q + 3 * D + d), kv);
     }
-    const __m512 x = _mm512_mul_ps(sums4_dp(a0, a1, a2, a3), _mm512_set1_ps(scale));
+    const __m512 x = _mm512_mul_ps(akr_rows4_lanes(a0, a1, a2, a3), _mm512_set1_ps(scale));
     float lanes[16];
     _mm512_storeu_ps(lanes, x);
     out[0] = lanes[0];
@@ -727,7 +715,7 @@ AK_INLINE void score4_keys(const char *k, int64_t ks, int64_t len, int dtype, co
         for (int j_ = 0; j_ < NB; ++j_)                                                    \
             for (int g_ = 0; g_ < 4; ++g_)                                                 \
                 a_[g_] = _mm512_dpbf16_ps(a_[g_], qv[g_][j_], KV(j_));                     \
-        (OUT) = sums4_dp(a_[0], a_[1], a_[2], a_[3]);                                      \
+        (OUT) = akr_rows4_lanes(a_[0], a_[1], a_[2], a_[3]);                              \
     } while (0)
 #define AK_SCORE4_KEYS(DOT)                                                                \
     int64_t t = 0;                                                                         \
@@ -1201,13 +1189,9 @@ AK_INLINE void mla_score44_dp(const uint16_t *k, int64_t ks, const uint16_t *q, 
             for (int j = 0; j < 4; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], qv, kv[j]);
         }
     }
-    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int g = 0; g < 4; ++g) { /* key j's sum in 128-bit lane j (sums4_dp) */
-        const __m512 x = _mm512_mul_ps(sums4_dp(a[g][0], a[g][1], a[g][2], a[g][3]),
-                                       _mm512_set1_ps(scale));
-        _mm_storeu_ps(out + g * AK_CHUNK,
-                      _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x)));
-    }
+    for (int g = 0; g < 4; ++g) /* key j's sum in lane j */
+        akv4_store(out + g * AK_CHUNK, akv4_mul(akr_rows4_add(a[g][0], a[g][1], a[g][2], a[g][3]),
+                                                akv4_set1(scale)));
 }
 #endif
 

@@ -34,7 +34,8 @@
  *   into another: a shift and a mask, no widening)  akr_store_bf16 (rounded to nearest even,
  *   NaN kept quiet, as torch's casts)  akr_reduce_add (halves, then (s0 + s2) + (s1 + s3))
  *   akr_reduce_max (halves; no NaN among the lanes)  akr_rows4_add (lane r: the sum of
- *   register r's lanes, in the backend's own tree)
+ *   register r's lanes, in the backend's own tree; AVX-512's akr_rows4_lanes: that sum in
+ *   every element of 128-bit lane r)
  *   (AVX2: akr_keep2, as akv_keep4 below, for flash.c's 256-bit matrix products)
  * Vector tier (akv), float32:
  *   akv_zero  akv_set1  akv_load  akv_store  akv_add  akv_sub  akv_mul  akv_div  akv_fmadd
@@ -148,15 +149,20 @@ AKV_FN float akr_reduce_max(akr x) {
     return _mm_cvtss_f32(_mm_max_ps(_mm_permute_ps(s, 0xB1), s));
 }
 /* halves of (x0, x1) and of (x2, x3), then quarters (register r's four partial sums in
- * 128-bit lane r), then within each lane: the tree of akr_reduce_add for every register */
-AKV_FN akv4 akr_rows4_add(akr x0, akr x1, akr x2, akr x3) {
+ * 128-bit lane r), then within each lane: the tree of akr_reduce_add for every register;
+ * akr_rows4_lanes leaves register r's sum in every element of 128-bit lane r (AVX-512 only:
+ * decode.c's bfloat16 dot-product tiles) */
+AKV_FN __m512 akr_rows4_lanes(akr x0, akr x1, akr x2, akr x3) {
     const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44),
                                    _mm512_shuffle_f32x4(x0, x1, 0xEE));
     const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44),
                                    _mm512_shuffle_f32x4(x2, x3, 0xEE));
     __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
     x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+AKV_FN akv4 akr_rows4_add(akr x0, akr x1, akr x2, akr x3) {
+    const __m512 x = akr_rows4_lanes(x0, x1, x2, x3);
     const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
 }
