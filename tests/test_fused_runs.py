@@ -141,7 +141,12 @@ def test_pieces_on_threads_match_one_thread_and_the_oracle(kw, monkeypatch, for_
     seg = kw.pop("segments", None)
     call_kw = dict(kw, **({} if seg is None else {"mask": attnkit.masks.document(seg)}))
     monkeypatch.setattr(fused_schedule, "BLOCK", 128)
-    got = _grads(q, k, v, do, **call_kw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (also where the run has one: OMP_NUM_THREADS=1)
+    try:
+        got = _grads(q, k, v, do, **call_kw)
+    finally:
+        torch.set_num_threads(threads)
     assert 2 in for_each_threads, for_each_threads  # the pieces did go over two threads
     ref_kw = dict(kw)
     if seg is not None:
