@@ -587,6 +587,44 @@ def test_the_256_bit_build_matches_the_oracle(tmp_path):
     assert worst < 1.0, worst
 
 
+_TINY_WEIGHTS_SCRIPT = r"""
+import math, torch, attnkit
+from attnkit import native
+# row r: key 0 scores 0, key 1 scores -(126 + 4.1 r) ln 2 (weight 2^-(126 + 4.1 r): below
+# float32's normal range from r = 1 on); V is 0 on key 0 and 1 on key 1, so the output is the
+# weight itself, as small as it is
+rows = 6
+a = torch.tensor([-(126.0 + 4.1 * r) * math.log(2.0) for r in range(rows)])
+q = torch.zeros(1, 1, rows, 16); q[0, 0, :, 0] = a
+k = torch.zeros(1, 1, 2, 16); k[0, 0, 1, 0] = 1.0
+v = torch.zeros(1, 1, 2, 16); v[0, 0, 1] = 1.0
+out = attnkit.attention(q, k, v, scale=1.0, backend="flash")[0, 0, :, 0].double()
+want = torch.exp(a.double()) / (1.0 + torch.exp(a.double()))
+err = ((out - want).abs() / (2.0 ** -148 + 1e-4 * want)).max().item()
+print("BITS", native.build_info()["flash_bits"], "ERR", err, out.tolist())
+"""
+
+
+@pytest.mark.parametrize("avx512", ["1", "0"], ids=["default", "256-bit"])
+def test_weights_below_the_normal_range(avx512):
+    """Softmax weights between 2^-150 and 2^-126 (float32's subnormals) come out as the oracle's
+    in each build (the 256-bit one builds 2^n from a rounding constant instead of scalef: its
+    exponent, and the one rounding of a subnormal result, are what this checks); a fresh
+    process per build."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = dict(os.environ, ATTNKIT_NATIVE_AVX512=avx512)
+    proc = subprocess.run([sys.executable, "-c", _TINY_WEIGHTS_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bits, err = re.search(r"BITS (\d+) ERR (\S+)", proc.stdout).groups()
+    if avx512 == "0":
+        assert bits == "256", proc.stdout
+    assert float(err) <= 1.0, proc.stdout
+
+
 def test_auto_defers_where_the_cost_table_says_fused_is_faster(monkeypatch):
     """auto leaves a dense or plain causal call to the fused executor where this kind's cost
     table (attnkit.backends.costs) says torch's kernel is faster, with or without gradients;
