@@ -546,7 +546,7 @@ cases = [dict(causal=True), dict(window=(40, 3), alibi_slopes=torch.rand(2, 4), 
          dict(mask=masks.document_from_lengths([64, 1, 85])),
          dict(causal=True, diagonal="bottom_right", sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))]
 for dt in (torch.float32, torch.bfloat16):
-    for d, dv in ((32, 32), (64, 48), (80, 80)):
+    for d, dv in ((32, 32), (64, 48), (80, 80), (128, 96)):
         for kw in cases:
             q = torch.randn(2, 4, 150, d, generator=g).to(dt).requires_grad_()
             k = torch.randn(2, 2, 133, d, generator=g).to(dt).requires_grad_()
@@ -574,7 +574,9 @@ print("WORST", worst)
 
 def test_the_256_bit_build_matches_the_oracle(tmp_path):
     """ATTNKIT_NATIVE_AVX512=0 builds flash.c on 256-bit registers (what CPUs without AVX-512
-    run); its forward and backward against the float64 oracle, in a fresh process."""
+    run); its forward and backward against the float64 oracle, in a fresh process. The head
+    dims take every split of the 256-bit products' columns into tiles of 24 and 16 (32: 16+16,
+    48: 24+24, 80: 24+24+16+16, 96: four 24s, 128: four 24s and 16+16)."""
     import os
     import re
     import subprocess
