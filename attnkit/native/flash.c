@@ -621,65 +621,21 @@ static __attribute__((noinline)) void ak_scores_part(const float *q, int64_t d, 
 }
 
 #else /* (AVX2-specific) */
-/* the same on 256-bit registers: the four rows by 16 keys at a time, eight accumulators, the
- * two key vectors in registers (a load and four broadcasts feed eight multiply-adds; with
- * 32 keys by two rows, the keys read as memory operands twice, it was ten) */
-AK_HOT void ak_scores_range(const float *q, int64_t d, const float *kt, akv s[AK_FR][4],
-                            int ua, int ue) {
-    for (int u = 0; u < 4; u++) {
-        if (u < ua || u >= ue) {
-            for (int r = 0; r < AK_FR; r++) s[r][u] = akv_zero();
-            continue;
-        }
-        __m256 acc[AK_FR][2];
-        for (int r = 0; r < AK_FR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < d; c++) {
-            const float *kc = kt + c * AK_FN + 16 * u;
-            __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
-            akr_keep2(k0, k1);
-            for (int r = 0; r < AK_FR; r++) {
-                const __m256 qb = _mm256_broadcast_ss(q + r * d + c);
-                acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < AK_FR; r++) s[r][u] = akv_of(acc[r][0], acc[r][1]);
-    }
-}
+/* (the 256-bit products' step: A0, A1, A2 += B (X0, X1, X2)) */
+#define AK_FMA3(B, X0, X1, X2, A0, A1, A2)                                                 \
+    (A0 = _mm256_fmadd_ps(B, X0, A0), A1 = _mm256_fmadd_ps(B, X1, A1),                     \
+     A2 = _mm256_fmadd_ps(B, X2, A2))
 
-/* the scores of keys j0 .. j0 + 23 of the block into y[r][j0 / 8 ..] (registers of 8 keys):
- * the four rows by 24 keys, twelve accumulators and the three key vectors in registers (as
- * ak_pv24) */
-#define AK_FMA3(QB, A0, A1, A2)                                                            \
-    (A0 = _mm256_fmadd_ps(QB, k0, A0), A1 = _mm256_fmadd_ps(QB, k1, A1),                   \
-     A2 = _mm256_fmadd_ps(QB, k2, A2))
-static inline void ak_scores24(const float *q, int64_t d, const float *kt, int j0,
+/* The same on 256-bit registers, the scores of keys 16u .. 16u + 15 into y[r][2u], y[r][2u + 1]
+ * (registers of 8 keys): the four rows by 16 keys, eight accumulators, the two key vectors in
+ * registers (a load and four broadcasts feed eight multiply-adds; with 32 keys by two rows,
+ * the keys read as memory operands twice, it was ten) */
+static inline void ak_scores16(const float *q, int64_t d, const float *kt, int u,
                                __m256 y[AK_FR][8]) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
-    for (int64_t c = 0; c < d; c++) {
-        const float *kc = kt + c * AK_FN + j0;
-        __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
-        __m256 k2 = _mm256_loadu_ps(kc + 16);
-        __asm__("" : "+x"(k0), "+x"(k1), "+x"(k2));
-        AK_FMA3(_mm256_broadcast_ss(q + c), a00, a01, a02);
-        AK_FMA3(_mm256_broadcast_ss(q + d + c), a10, a11, a12);
-        AK_FMA3(_mm256_broadcast_ss(q + 2 * d + c), a20, a21, a22);
-        AK_FMA3(_mm256_broadcast_ss(q + 3 * d + c), a30, a31, a32);
-    }
-    const int i = j0 / 8;
-    y[0][i] = a00, y[0][i + 1] = a01, y[0][i + 2] = a02;
-    y[1][i] = a10, y[1][i + 1] = a11, y[1][i + 2] = a12;
-    y[2][i] = a20, y[2][i + 1] = a21, y[2][i + 2] = a22;
-    y[3][i] = a30, y[3][i + 1] = a31, y[3][i + 2] = a32;
-}
-
-/* the same for the block's last 16 keys (48 .. 63): eight accumulators */
-static inline void ak_scores16(const float *q, int64_t d, const float *kt, __m256 y[AK_FR][8]) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
     __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t c = 0; c < d; c++) {
-        const float *kc = kt + c * AK_FN + 48;
+        const float *kc = kt + c * AK_FN + 16 * u;
         __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
         akr_keep2(k0, k1);
         __m256 qb = _mm256_broadcast_ss(q + c);
@@ -691,19 +647,61 @@ static inline void ak_scores16(const float *q, int64_t d, const float *kt, __m25
         qb = _mm256_broadcast_ss(q + 3 * d + c);
         a30 = _mm256_fmadd_ps(qb, k0, a30), a31 = _mm256_fmadd_ps(qb, k1, a31);
     }
-    y[0][6] = a00, y[0][7] = a01, y[1][6] = a10, y[1][7] = a11;
-    y[2][6] = a20, y[2][7] = a21, y[3][6] = a30, y[3][7] = a31;
+    y[0][2 * u] = a00, y[0][2 * u + 1] = a01, y[1][2 * u] = a10, y[1][2 * u + 1] = a11;
+    y[2][2 * u] = a20, y[2][2 * u + 1] = a21, y[3][2 * u] = a30, y[3][2 * u + 1] = a31;
 }
-#undef AK_FMA3
+
+/* keys j0 .. j0 + 23 likewise into y[r][j0 / 8 ..]: the four rows by 24 keys, twelve
+ * accumulators and the three key vectors in registers (sixteen in all: twelve chains of
+ * multiply-adds hide their latency where eight just match it) */
+static inline void ak_scores24(const float *q, int64_t d, const float *kt, int j0,
+                               __m256 y[AK_FR][8]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    for (int64_t c = 0; c < d; c++) {
+        const float *kc = kt + c * AK_FN + j0;
+        __m256 k0 = _mm256_loadu_ps(kc), k1 = _mm256_loadu_ps(kc + 8);
+        __m256 k2 = _mm256_loadu_ps(kc + 16);
+        __asm__("" : "+x"(k0), "+x"(k1), "+x"(k2));
+        AK_FMA3(_mm256_broadcast_ss(q + c), k0, k1, k2, a00, a01, a02);
+        AK_FMA3(_mm256_broadcast_ss(q + d + c), k0, k1, k2, a10, a11, a12);
+        AK_FMA3(_mm256_broadcast_ss(q + 2 * d + c), k0, k1, k2, a20, a21, a22);
+        AK_FMA3(_mm256_broadcast_ss(q + 3 * d + c), k0, k1, k2, a30, a31, a32);
+    }
+    const int i = j0 / 8;
+    y[0][i] = a00, y[0][i + 1] = a01, y[0][i + 2] = a02;
+    y[1][i] = a10, y[1][i + 1] = a11, y[1][i + 2] = a12;
+    y[2][i] = a20, y[2][i + 1] = a21, y[2][i + 2] = a22;
+    y[3][i] = a30, y[3][i + 1] = a31, y[3][i + 2] = a32;
+}
+
+/* y (registers of 8 keys) as the rows' four 16-key vectors */
+static inline void ak_scores_of(__m256 y[AK_FR][8], akv s[AK_FR][4]) {
+    for (int r = 0; r < AK_FR; r++)
+        for (int u = 0; u < 4; u++) s[r][u] = akv_of(y[r][2 * u], y[r][2 * u + 1]);
+}
+
+/* the quarters [ua, ue) of the block by ak_scores16, the others 0 */
+AK_HOT void ak_scores_range(const float *q, int64_t d, const float *kt, akv s[AK_FR][4],
+                            int ua, int ue) {
+    __m256 y[AK_FR][8];
+    for (int u = 0; u < 4; u++) {
+        if (u >= ua && u < ue) {
+            ak_scores16(q, d, kt, u, y);
+            continue;
+        }
+        for (int r = 0; r < AK_FR; r++) y[r][2 * u] = y[r][2 * u + 1] = _mm256_setzero_ps();
+    }
+    ak_scores_of(y, s);
+}
 
 /* a whole block: keys 0 .. 47 by 24 (ak_scores24), the last 16 by ak_scores16 */
 static inline void ak_scores(const float *q, int64_t d, const float *kt, akv s[AK_FR][4]) {
     __m256 y[AK_FR][8];
     ak_scores24(q, d, kt, 0, y);
     ak_scores24(q, d, kt, 24, y);
-    ak_scores16(q, d, kt, y);
-    for (int r = 0; r < AK_FR; r++)
-        for (int u = 0; u < 4; u++) s[r][u] = akv_of(y[r][2 * u], y[r][2 * u + 1]);
+    ak_scores16(q, d, kt, 3, y);
+    ak_scores_of(y, s);
 }
 
 /* ak_scores on the 16-key quarters [ua, ue) of the block only, the others 0 */
@@ -753,9 +751,6 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
 /* O[rows] columns c0 .. c0 + 23 = O * alpha + P V: the four rows by 24 columns, twelve
  * accumulators and the three value vectors in registers (sixteen in all: twelve chains of
  * multiply-adds hide their latency where eight just match it) */
-#define AK_FMA3(PB, A0, A1, A2)                                                            \
-    (A0 = _mm256_fmadd_ps(PB, v0, A0), A1 = _mm256_fmadd_ps(PB, v1, A1),                   \
-     A2 = _mm256_fmadd_ps(PB, v2, A2))
 static inline void ak_pv24(float *o, int64_t dv, const float *alpha, const float *p,
                            const float *v, int64_t vstride, int64_t nk) {
     float *o0 = o, *o1 = o + dv, *o2 = o + 2 * dv, *o3 = o + 3 * dv;
@@ -778,17 +773,16 @@ static inline void ak_pv24(float *o, int64_t dv, const float *alpha, const float
         __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
         __m256 v2 = _mm256_loadu_ps(vr + 16);
         __asm__("" : "+x"(v0), "+x"(v1), "+x"(v2));
-        AK_FMA3(_mm256_broadcast_ss(p + j), a00, a01, a02);
-        AK_FMA3(_mm256_broadcast_ss(p + AK_FN + j), a10, a11, a12);
-        AK_FMA3(_mm256_broadcast_ss(p + 2 * AK_FN + j), a20, a21, a22);
-        AK_FMA3(_mm256_broadcast_ss(p + 3 * AK_FN + j), a30, a31, a32);
+        AK_FMA3(_mm256_broadcast_ss(p + j), v0, v1, v2, a00, a01, a02);
+        AK_FMA3(_mm256_broadcast_ss(p + AK_FN + j), v0, v1, v2, a10, a11, a12);
+        AK_FMA3(_mm256_broadcast_ss(p + 2 * AK_FN + j), v0, v1, v2, a20, a21, a22);
+        AK_FMA3(_mm256_broadcast_ss(p + 3 * AK_FN + j), v0, v1, v2, a30, a31, a32);
     }
     _mm256_storeu_ps(o0, a00), _mm256_storeu_ps(o0 + 8, a01), _mm256_storeu_ps(o0 + 16, a02);
     _mm256_storeu_ps(o1, a10), _mm256_storeu_ps(o1 + 8, a11), _mm256_storeu_ps(o1 + 16, a12);
     _mm256_storeu_ps(o2, a20), _mm256_storeu_ps(o2 + 8, a21), _mm256_storeu_ps(o2 + 16, a22);
     _mm256_storeu_ps(o3, a30), _mm256_storeu_ps(o3 + 8, a31), _mm256_storeu_ps(o3 + 16, a32);
 }
-#undef AK_FMA3
 
 /* the same on 256-bit registers: the four rows by 24 columns (ak_pv24) while more than 32
  * are left, then by 16, eight accumulators, the two value vectors in registers (as
@@ -1282,9 +1276,6 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
 #else /* (AVX2-specific) */
 /* keys j0 .. j0 + 3 by columns c0 .. c0 + 23 of ak_tn: twelve accumulators and the three
  * vectors of y in registers (as ak_pv24) */
-#define AK_FMA3(XB, A0, A1, A2)                                                            \
-    (A0 = _mm256_fmadd_ps(XB, y0, A0), A1 = _mm256_fmadd_ps(XB, y1, A1),                   \
-     A2 = _mm256_fmadd_ps(XB, y2, A2))
 static inline void ak_tn24(float *acc, int64_t cols, const float *x, const float *y,
                            int64_t R, int64_t j0, int64_t c0) {
     float *t0 = acc + j0 * cols + c0, *t1 = t0 + cols, *t2 = t1 + cols, *t3 = t2 + cols;
@@ -1299,17 +1290,16 @@ static inline void ak_tn24(float *acc, int64_t cols, const float *x, const float
         __m256 y0 = _mm256_loadu_ps(yr), y1 = _mm256_loadu_ps(yr + 8);
         __m256 y2 = _mm256_loadu_ps(yr + 16);
         __asm__("" : "+x"(y0), "+x"(y1), "+x"(y2));
-        AK_FMA3(_mm256_broadcast_ss(xr), a00, a01, a02);
-        AK_FMA3(_mm256_broadcast_ss(xr + 1), a10, a11, a12);
-        AK_FMA3(_mm256_broadcast_ss(xr + 2), a20, a21, a22);
-        AK_FMA3(_mm256_broadcast_ss(xr + 3), a30, a31, a32);
+        AK_FMA3(_mm256_broadcast_ss(xr), y0, y1, y2, a00, a01, a02);
+        AK_FMA3(_mm256_broadcast_ss(xr + 1), y0, y1, y2, a10, a11, a12);
+        AK_FMA3(_mm256_broadcast_ss(xr + 2), y0, y1, y2, a20, a21, a22);
+        AK_FMA3(_mm256_broadcast_ss(xr + 3), y0, y1, y2, a30, a31, a32);
     }
     _mm256_storeu_ps(t0, a00), _mm256_storeu_ps(t0 + 8, a01), _mm256_storeu_ps(t0 + 16, a02);
     _mm256_storeu_ps(t1, a10), _mm256_storeu_ps(t1 + 8, a11), _mm256_storeu_ps(t1 + 16, a12);
     _mm256_storeu_ps(t2, a20), _mm256_storeu_ps(t2 + 8, a21), _mm256_storeu_ps(t2 + 16, a22);
     _mm256_storeu_ps(t3, a30), _mm256_storeu_ps(t3 + 8, a31), _mm256_storeu_ps(t3 + 16, a32);
 }
-#undef AK_FMA3
 
 /* the same on 256-bit registers: four keys by 24 columns (ak_tn24) while more than 32 are
  * left, then by 16, eight accumulators */
