@@ -500,6 +500,29 @@ def test_gradients_written_in_the_inputs_dtype_are_the_float32_ones_rounded(dtyp
         native.flash_backward(q, k, v, 0.125, t, dout, out, lse, grad_dtype=torch.float64)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gradients_hold_no_more_memory_than_their_size(threads):
+    """The backward sums dQ over one float32 buffer per thread; the gradient it returns (and
+    the one autograd then keeps as q.grad) owns its own storage, not a view of those buffers,
+    which would keep threads x its size alive for as long as the gradient lives. The values
+    are the oracle's."""
+    q, k, v = _qkv(n=1, hq=4, hkv=2, lq=200, d=32, grad=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attnkit.attention(q, k, v, causal=True, backend="flash")
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.set_num_threads(old)
+    for x in (q, k, v):
+        assert x.grad.untyped_storage().nbytes() == x.grad.numel() * x.grad.element_size()
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    r = ref(qd, kd, vd, causal=True)
+    r.backward(torch.ones_like(r))
+    for x, xd in zip((q, k, v), (qd, kd, vd)):
+        assert (x.grad.double() - xd.grad).abs().max().item() < 3e-5
+
+
 @pytest.mark.parametrize("shared_kv", [False, True], ids=["own_kv", "kv_shared_by_batch"])
 def test_bfloat16_gradients_from_the_kernel_or_summed_in_float32(shared_kv, monkeypatch):
     """The executor has the kernel write bfloat16 gradients, except for a k and v shared by

@@ -1735,7 +1735,10 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
     dq = torch.empty(a.threads, n, hq, lq, d, dtype=torch.float32)
     dk = torch.empty(n, a.Hkv, lk, d, dtype=gd)
     dvv = torch.empty(n, a.Hkv, lk, dv, dtype=gd)
-    dq_out = dq[0] if gd == torch.float32 else torch.empty(n, hq, lq, d, dtype=gd)
+    # dQ's own storage unless the one buffer is all there is (a view of threads buffers would
+    # keep them all alive as long as the gradient)
+    own_dq = gd != torch.float32 or a.threads > 1
+    dq_out = torch.empty(n, hq, lq, d, dtype=gd) if own_dq else dq[0]
     delta = torch.empty(shape, dtype=torch.float32)
     drel = None
     if table_grad:  # one sum per kernel unit (dQ buffer, batch row, kv head), added up in order
@@ -1764,7 +1767,7 @@ def flash_backward(q: Tensor, k: Tensor, v: Tensor, scale: float, terms: FlashTe
                     dlse=None if dlse32 is None else dlse32.data_ptr(), delta=delta.data_ptr(),
                     dq=dq.data_ptr(), dk=dk.data_ptr(), dv=dvv.data_ptr(),
                     grad_dtype=_DTYPES[gd],  # (written so by the kernel: no conversion op)
-                    dq_out=None if gd == torch.float32 else dq_out.data_ptr())
+                    dq_out=dq_out.data_ptr() if own_dq else None)
     if drel is not None:
         g.drel, g.drel_wstride = drel.data_ptr(), drel[0, 0, 0].numel()
     a.bf16dot = int(FLASH_BF16_DOT and q.dtype == torch.bfloat16 and do_c.dtype == torch.bfloat16

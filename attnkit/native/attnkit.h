@@ -39,7 +39,7 @@
 /* ---- constants ------------------------------------------------------------------------- */
 
 #define AK_CONSTANTS(X)                                                                      \
-    X(AK_ABI, 18, "the interface's version: the loader refuses a library of another")      \
+    X(AK_ABI, 19, "the interface's version: the loader refuses a library of another")      \
     X(AK_FLASH_BLOCK, 64, "keys per block of the flash kernel")                             \
     X(AK_FLASH_MAX_DIM, 256, "the flash kernel's largest head dim")                         \
     X(AK_MAX_QUERY_ROWS, 16, "the decode kernel's query rows per sequence at most")         \
@@ -158,7 +158,9 @@ AK_STRUCT(ak_flash_args);
      * once from the float32 sums, and dQ into dq_out (N, Hq, Lq, d): no conversion pass of  \
      * the caller's after the call) */                                                       \
     F(int32_t, grad_dtype)                                                                   \
-    F(void *, dq_out) /* grad_dtype AK_BF16 or AK_F16; unused for float32 */
+    /* dQ, of grad_dtype (N, Hq, Lq, d); NULL (float32 only): into the first of dq's       \
+     * buffers */                                                                            \
+    F(void *, dq_out)
 AK_STRUCT(ak_flash_grads);
 
 /* ---- functions ------------------------------------------------------------------------- */

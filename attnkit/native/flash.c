@@ -1760,25 +1760,23 @@ static void ak_rows_worker(void *vctx, int w, int nw) {
             }
             for (int64_t t = 0; t < a->threads; t++)
                 memset(g->dq + (t * rows + r0) * d, 0, (size_t)((r1 - r0) * d) * 4);
-        } else {
-            for (int64_t t = 1; t < a->threads; t++) {
-                const float *src = g->dq + (t * rows + r0) * d;
-                float *dst = g->dq + r0 * d;
-                for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
-                    akv_store(dst + e, akv_add(akv_load(dst + e), akv_load(src + e)));
-            }
-            if (g->grad_dtype != 0) {
-                const float *sum = g->dq + r0 * d;
-                char *dst = (char *)g->dq_out + r0 * d * 2;
-                for (int64_t e = 0; e < (r1 - r0) * d; e += 16)
-                    ak_store_row16(dst, g->grad_dtype, e, akv_load(sum + e));
+        } else { /* each element's sum in thread order, to dq_out (or the first buffer) */
+            float *first = g->dq + r0 * d;
+            char *dst = g->dq_out != NULL
+                            ? (char *)g->dq_out + r0 * d * (g->grad_dtype == 0 ? 4 : 2)
+                            : (char *)first;
+            for (int64_t e = 0; e < (r1 - r0) * d; e += 16) {
+                akv sum = akv_load(first + e);
+                for (int64_t t = 1; t < a->threads; t++)
+                    sum = akv_add(sum, akv_load(first + t * rows * d + e));
+                ak_store_row16(dst, g->grad_dtype, e, sum);
             }
         }
     }
 }
 
-/* The gradients: dK and dV in dk and dv, dQ in the first of dq's `a->threads` buffers (in
- * dq_out with a grad_dtype other than float32). Returns AK_OK, AK_NONFINITE when an input
+/* The gradients: dK and dV in dk and dv, dQ in dq_out (NULL: in the first of dq's
+ * `a->threads` buffers, float32 only). Returns AK_OK, AK_NONFINITE when an input
  * was not finite (the caller runs another path), or the code of an argument it does not
  * run. */
 int attnkit_flash_backward(const ak_flash_args *a, const ak_flash_grads *g) {
