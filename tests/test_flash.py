@@ -4,6 +4,8 @@ executor's, from this forward's out and lse) and its refusals."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import fa_tolerance_ok, naive_attention, rand, spy
@@ -498,6 +500,39 @@ def test_gradients_written_in_the_inputs_dtype_are_the_float32_ones_rounded(dtyp
     assert torch.equal(got[4], want[4])  # delta
     with pytest.raises(TypeError, match="grad_dtype"):
         native.flash_backward(q, k, v, 0.125, t, dout, out, lse, grad_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_row_maxima_that_grow_block_by_block(dtype):
+    """The forward keeps a row group's weights on its running maxima while no row's new
+    maximum passes its own by more than 8 (base 2), and recomputes them on the new maxima
+    when one does. Scores that ramp along the keys, each row by its own step per key block
+    (0.5 to 7.9 in the first group of four rows: kept after the first block; 8.1 to 30 and a
+    falling one in the second: recomputed on every block), against the float64 oracle:
+    output, lse and the rows' largest scores. FlashAttention's rule for bfloat16."""
+    steps = [0.5, 2.0, 6.0, 7.9, 8.1, 12.0, 30.0, -3.0]  # base 2, per 64 keys
+    lk, d = 512, 16
+    g = torch.Generator().manual_seed(5)
+    j = torch.arange(lk, dtype=torch.float64)
+    q = torch.zeros(1, 1, len(steps), d, dtype=torch.float64)
+    k = torch.zeros(1, 1, lk, d, dtype=torch.float64)
+    q[0, 0, :, 0] = torch.tensor(steps, dtype=torch.float64) * math.log(2.0) / 64.0
+    k[0, 0, :, 0] = j
+    q[0, 0, :, 1:] = 0.1 * torch.randn(len(steps), d - 1, generator=g, dtype=torch.float64)
+    k[0, 0, :, 1:] = torch.randn(lk, d - 1, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, lk, d, generator=g, dtype=torch.float64)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    request = attnkit.AuxRequest(lse=True, max_scores=True)
+    out, aux = attnkit.attention(q, k, v, scale=1.0, backend="flash", return_aux=request)
+    qd, kd, vd = (x.double() for x in (q, k, v))
+    r, rl = ref(qd, kd, vd, scale=1.0, return_lse=True)
+    top = (qd @ kd.transpose(-1, -2)).amax(-1)
+    # (scores up to 166: their float32 rounding is the float32 baseline's error too)
+    plain = attnkit.attention(q, k, v, scale=1.0, backend="tiled")
+    assert fa_tolerance_ok(out, r, plain)[0]
+    tol = (1e-6 if dtype == torch.float32 else 4e-3) * top.abs().max().item() + 1e-5
+    assert (aux.lse.double() - rl).abs().max().item() < tol
+    assert (aux.max_scores.double() - top).abs().max().item() < tol
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -21,7 +21,10 @@
  * A key block that every row of a group sees whole skips the visibility test; one that no row
  * of the group sees is skipped. Scores are kept in the base-2 domain (log2(e) folded into the
  * scale and the terms), so each weight is one exp2: a degree-5 polynomial and a scalef
- * (degree 4 for weights rounded to bfloat16).
+ * (degree 4 for weights rounded to bfloat16). A group's weights take its rows' running maxima
+ * as they are while no row's new maximum passes its own by more than AK_LAZY (weights up to
+ * 2^AK_LAZY, as FlashAttention-4 rescales): they need not wait for the block's maxima, a
+ * chain of reductions, which only decide whether to keep them.
  *
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
  * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
@@ -49,6 +52,7 @@
 #define AK_FM 64  /* query rows per work item */
 #define AK_FN AK_FLASH_BLOCK /* keys per block */
 #define AK_FR 4   /* query rows per register group */
+#define AK_LAZY 8.0f /* how far a row's maximum may pass its weights' base (log2) */
 #define AK_FD AK_FLASH_MAX_DIM /* largest head dim */
 
 /* ak_flash_args and ak_flash_grads: attnkit.h */
@@ -818,7 +822,8 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
  * 2), sums l and accumulated outputs obuf: out, lse and (where asked for) the row maxima in
  * natural units. */
 static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_t i0,
-                            int64_t nrows, const float *m, const float *l, const float *obuf) {
+                            int64_t nrows, const float *m, const float *mt, const float *l,
+                            const float *obuf) {
     static const float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
     const int64_t dv = a->dv;
     const size_t oe = a->out_dtype == 0 ? 4 : 2;
@@ -826,7 +831,7 @@ static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t row = (n * a->Hq + h) * a->Lq + i0 + r;
         char *orow = (char *)a->out + row * dv * oe;
-        if (a->mx != NULL) a->mx[row] = m[r] * LN2; /* (-inf for a row that saw no key) */
+        if (a->mx != NULL) a->mx[row] = mt[r] * LN2; /* (-inf for a row that saw no key) */
         float mf = m[r] > sink ? m[r] : sink;
         if (mf == -INFINITY || !(l[r] > 0.0f || sink > -INFINITY)) {
             memset(orow, 0, (size_t)dv * oe);
@@ -857,6 +862,7 @@ typedef struct {
     const float *ktb, *vb;  /* the packed key blocks of (n, kv head), and its values */
     int64_t vstride;
     float m[AK_FM], l[AK_FM], alpha[AK_FM]; /* running maxima (base 2), sums, block rescales */
+    float mt[AK_FM];        /* the rows' largest scores (m: the weights' base, up to AK_LAZY below) */
     int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM]; /* visible keys [lo, hi), segment ids */
     float ipf[AK_FM];       /* positions (ALiBi) */
 } ak_fwd_it;
@@ -924,7 +930,7 @@ static void ak_fwd_rows_in(ak_fwd_it *t, int64_t *kb0, int64_t *kb1) {
     const char *qbase = (const char *)a->q + (n * a->qs[0] + t->h * a->qs[1]) * esz;
     int32_t kmin = INT32_MAX, kmax = 0;
     for (int64_t r = 0; r < t->groups * AK_FR; r++) {
-        t->m[r] = -INFINITY, t->l[r] = 0.0f;
+        t->m[r] = -INFINITY, t->mt[r] = -INFINITY, t->l[r] = 0.0f;
         if (r < t->nrows) {
             const int64_t i = t->i0 + r;
             const char *qr = qbase + i * a->qs[2] * esz;
@@ -1111,7 +1117,28 @@ AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, 
                      t->qs[rr], full, NULL);
         rv[r] = akv_max(akv_max(s[r][0], s[r][1]), akv_max(s[r][2], s[r][3]));
     }
+    float *m = t->m + r0;
+    if (m[0] > -INFINITY && m[1] > -INFINITY && m[2] > -INFINITY && m[3] > -INFINITY) {
+        /* the weights on the running maxima as they are, while no row's new maximum passes
+         * its own by more than AK_LAZY (weights up to 2^AK_LAZY): they need not wait for
+         * this block's maxima, which only decide whether to keep them */
+        akv w[AK_FR];
+        for (int r = 0; r < AK_FR; r++) w[r] = ak_fwd_weights(t, s[r], m[r], j0, r0 + r);
+        akv4 mx = akv_rows4_max(rv[0], rv[1], rv[2], rv[3]);
+        if (t->fold) mx = akv4_mul(mx, akv4_set1(t->qmul));
+        float x[AK_FR];
+        akv4_store(x, mx);
+        if (x[0] <= m[0] + AK_LAZY && x[1] <= m[1] + AK_LAZY && x[2] <= m[2] + AK_LAZY
+            && x[3] <= m[3] + AK_LAZY) {
+            akv4_store(t->alpha + r0, akv4_set1(1.0f));
+            akv4_store(t->mt + r0, akv4_max(mx, akv4_load(t->mt + r0)));
+            const akv4 sum = akv_rows4_add(w[0], w[1], w[2], w[3]);
+            akv4_store(t->l + r0, akv4_add(akv4_load(t->l + r0), sum));
+            return;
+        }
+    }
     const akv4 al = ak_fwd_new_max(t, r0, rv, bs);
+    akv4_store(t->mt + r0, akv4_max(akv4_load(t->m + r0), akv4_load(t->mt + r0)));
     for (int r = 0; r < AK_FR; r++) rv[r] = ak_fwd_weights(t, s[r], bs[r], j0, r0 + r);
     const akv4 sum = akv_rows4_add(rv[0], rv[1], rv[2], rv[3]);
     akv4_store(t->l + r0, akv4_add(akv4_mul(akv4_load(t->l + r0), al), sum));
@@ -1165,7 +1192,7 @@ static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t 
          * stores that wrote them) */
         ak_fwd_pv(&t, live, j0, nk);
     }
-    ak_fwd_rows_out(a, n, h, i0, t.nrows, t.m, t.l, t.obuf);
+    ak_fwd_rows_out(a, n, h, i0, t.nrows, t.m, t.mt, t.l, t.obuf);
 }
 
 static void ak_fwd_worker(void *vctx, int w, int nw) {
