@@ -862,7 +862,7 @@ typedef struct {
     const float *ktb, *vb;  /* the packed key blocks of (n, kv head), and its values */
     int64_t vstride;
     float m[AK_FM], l[AK_FM], alpha[AK_FM]; /* running maxima (base 2), sums, block rescales */
-    float mt[AK_FM];        /* the rows' largest scores (m: the weights' base, up to AK_LAZY below) */
+    float mt[AK_FM]; /* the rows' largest scores (m, the weights' base: up to AK_LAZY below) */
     int32_t lo[AK_FM], hi[AK_FM], qs[AK_FM]; /* visible keys [lo, hi), segment ids */
     float ipf[AK_FM];       /* positions (ALiBi) */
 } ak_fwd_it;
