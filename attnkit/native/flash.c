@@ -818,9 +818,9 @@ static inline void ak_pv(float *o, int64_t dv, const float *alpha, const float *
 }
 #endif
 
-/* Rows i0 .. i0 + nrows - 1 of (batch row n, query head h) from their running maxima m (base
- * 2), sums l and accumulated outputs obuf: out, lse and (where asked for) the row maxima in
- * natural units. */
+/* Rows i0 .. i0 + nrows - 1 of (batch row n, query head h) from their weights' bases m (base
+ * 2), sums l (relative to m) and accumulated outputs obuf: out, lse and (where asked for) the
+ * row maxima mt in natural units. */
 static void ak_fwd_rows_out(const ak_flash_args *a, int64_t n, int64_t h, int64_t i0,
                             int64_t nrows, const float *m, const float *mt, const float *l,
                             const float *obuf) {
