@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -333,6 +334,33 @@ def test_gather_kv_validation_and_padding():
     with pytest.raises(ValueError, match="4-D"):
         gather_kv(kp[0], vp, table, lens)
 
+
+
+@pytest.mark.parametrize("table, lens, message", [
+    ([[3, 0], [1, 4]], [3, 4], r"block_table\[1, 1\] = 4 is not a page index in \[0, 4\) but "
+                               r"sequence 1 \(length 4\) uses it for tokens 2..3"),
+    ([[-1, 0], [1, 0]], [1, 1], r"block_table\[0, 0\] = -1 .* tokens 0..0"),
+    ([[0, 9], [1, 9]], [2, 2], None),  # column 1 is padding: no sequence uses it
+    ([[0, 1], [2, 3]], [5, 1], r"seqlens must lie in \[0, max_pages \* page_size\] = \[0, 4\], "
+                               r"got values in \[1, 5\]"),
+    ([[0, 1], [2, 3]], [-1, 1], r"got values in \[-1, 1\]"),
+])
+def test_page_checks_read_the_same_on_the_host_and_in_torch(table, lens, message):
+    """The page checks run on numpy arrays for host tensors and on torch tensors elsewhere:
+    both forms pass and refuse the same tables with the same words (the torch form is run
+    here on CPU tensors, as another device would run it)."""
+    from attnkit.kv.pages import _check_rows
+
+    t = torch.tensor(table, dtype=torch.int32)
+    n = torch.tensor(lens, dtype=torch.int64)
+    forms = {"numpy": (t.numpy(), n.numpy(), np.arange(t.shape[1])),
+             "torch": (t, n, torch.arange(t.shape[1]))}
+    for form, (tab, ln, cols) in forms.items():
+        if message is None:
+            assert _check_rows(tab, ln, cols, 4, 2) is None, form
+        else:
+            with pytest.raises(ValueError, match=message):
+                _check_rows(tab, ln, cols, 4, 2)
 
 def test_repr_and_to_string():
     cache = PagedKVCache(num_pages=4, page_size=2, num_kv_heads=1, head_dim=3,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,21 +108,37 @@ def _check_pages(k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
             f"block_table has {B} rows but seqlens has {seqlens.shape[0]} entries; "
             f"one length per sequence")
     lens = seqlens.long()
-    if B:
-        lo, hi = (int(t) for t in torch.aminmax(lens))
-        if lo < 0 or hi > width * P:
-            raise ValueError(
-                f"seqlens must lie in [0, max_pages * page_size] = [0, {width * P}], got values "
-                f"in [{lo}, {hi}]; the block table has too few columns for these lengths")
-    used = torch.arange(width, device=device) < (-(-lens // P))[:, None]
-    bad = used & ((block_table < 0) | (block_table >= N))
-    if bool(bad.any()):
-        b, col = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"block_table[{b}, {col}] = {int(block_table[b, col])} is not a page index in "
-            f"[0, {N}) but sequence {b} (length {int(lens[b])}) uses it for tokens "
-            f"{col * P}..{min(int(lens[b]), (col + 1) * P) - 1}")
+    # (on the host, as numpy arrays: a decoding step makes this call for every layer, and each
+    # of torch's small operations costs several microseconds)
+    if device.type == "cpu":
+        _check_rows(block_table.numpy(), lens.numpy(), np.arange(width), N, P)
+    else:
+        _check_rows(block_table, lens, torch.arange(width, device=device), N, P)
     return lens
+
+
+def _check_rows(table: Any, lens: Any, cols: Any, num_pages: int, page_size: int) -> None:
+    """:func:`_check_pages`' checks of the lengths and of the pages they use, on a block table
+    ``(B, width)``, int64 lengths ``(B,)`` and ``cols = arange(width)``, all torch tensors or
+    all numpy arrays (the same operations and messages either way)."""
+    B, width = table.shape
+    if B:
+        lo, hi = int(lens.min()), int(lens.max())
+        if lo < 0 or hi > width * page_size:
+            raise ValueError(
+                f"seqlens must lie in [0, max_pages * page_size] = [0, {width * page_size}], "
+                f"got values in [{lo}, {hi}]; the block table has too few columns for these "
+                f"lengths")
+    used = cols[None, :] < (-(-lens // page_size))[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        rows, columns = bad.nonzero(as_tuple=True) if isinstance(bad, Tensor) else bad.nonzero()
+        b, col = int(rows[0]), int(columns[0])
+        n = int(lens[b])
+        raise ValueError(
+            f"block_table[{b}, {col}] = {int(table[b, col])} is not a page index in "
+            f"[0, {num_pages}) but sequence {b} (length {n}) uses it for tokens "
+            f"{col * page_size}..{min(n, (col + 1) * page_size) - 1}")
 
 
 def gather_kv(
