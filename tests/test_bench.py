@@ -953,3 +953,19 @@ def test_emulated_bfloat16_leaves_out_the_peers_on_torch_matmul(monkeypatch) -> 
     rows = {r.peer: r for r in run_case(case, settings, {})}
     assert rows["naive"].status == "skipped" and "emulated" in rows["naive"].note
     assert rows["attnkit"].status == "ok"
+
+
+def test_blhd_layout_draws_transposed_views_that_every_peer_runs() -> None:
+    case = Case("t_blhd", heads_q=2, len_q=64, d_qk=16, causal=True, layout="blhd")
+    w = make_workload(case, torch.float32)
+    for x in (w.q, w.k, w.v, w.g):  # (B, L, H, D) memory seen as (B, H, L, D)
+        assert x.shape == (1, 2, 64, 16) and x.stride()[1:] == (16, 32, 1)
+    settings = _tiny_settings(cases=[case], peers=["attnkit", "sdpa", "naive"], repeat=1)
+    results = run_case(case, settings, {"float32": 1.0})
+    assert len(results) == 6
+    for r in results:
+        assert r.status == "ok", r.note
+        assert r.max_err is not None and r.max_err < 1e-4, (r.peer, r.pass_, r.max_err)
+    assert {c.name: c for c in select("standard")}["causal_4k_blhd"].layout == "blhd"
+    with pytest.raises(ValueError, match="layout"):
+        Case("bad", layout="lbhd")

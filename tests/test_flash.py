@@ -408,6 +408,26 @@ def test_strided_inputs():
                        attnkit.attention(q, k, v, causal=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window=(40, 0))])
+def test_transposed_views_give_the_contiguous_calls_bits(dtype, kw):
+    """q, k, v and the output's gradient as (N, L, H, D) tensors seen as (N, H, L, D), the
+    layout models pass (rows H * D apart): the forward packs such value rows and asks for such
+    query rows ahead, and out, lse and every gradient keep the contiguous call's bits (150
+    keys: a partial last block)."""
+    q, k, v = _qkv(n=2, hq=4, hkv=2, lq=150, d=32, dv=48, dtype=dtype)
+    go = rand(2, 4, 150, 48, dtype=dtype, gen=torch.Generator().manual_seed(1))
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in
+             (q, k, v, go)]
+    assert all(x.stride(2) != x.shape[-1] for x in views)
+    got, want = [], []
+    for args, res in ((views[:3], got), ([x.requires_grad_() for x in (q, k, v)], want)):
+        out, lse = attnkit.attention(*args, return_lse=True, backend="flash", **kw)
+        res += [out, lse, *torch.autograd.grad(out, args, views[3] if res is got else go)]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kw, why", [
     (dict(mask=torch.ones(150, 150, dtype=torch.bool)), "mask"),
     (dict(bias=torch.zeros(150, 150)), "bias"),

@@ -70,6 +70,9 @@ class Case:
         softcap: ``cap * tanh(score / cap)`` on the scaled scores.
         relative_bias: a learnable ``(Hq, 2M - 1)`` relative-position table, ``M = max(Lq, Lk)``
             (the convention of :func:`attnkit.score_mods.relative_bias`); it gets a gradient.
+        layout: how q, k, v and the output's gradient lie in memory: ``"bhld"`` contiguous
+            ``(B, H, L, D)``; ``"blhd"`` ``(B, L, H, D)`` tensors seen as ``(B, H, L, D)``
+            (``x.transpose(1, 2)``, what model code passes: rows ``H * D`` apart).
         suites: the suites that run this case.
         passes: the passes that make sense for it.
         dtypes: restrict to these dtypes (``None`` = whatever the run asks for).
@@ -100,6 +103,7 @@ class Case:
     alibi: bool = False
     softcap: Optional[float] = None
     relative_bias: bool = False
+    layout: str = "bhld"
     suites: Tuple[str, ...] = ("standard",)
     passes: Tuple[str, ...] = PASSES
     dtypes: Optional[Tuple[str, ...]] = None
@@ -119,6 +123,9 @@ class Case:
             raise ValueError(
                 f"case {self.name!r}: heads_q={self.heads_q} must be a multiple of "
                 f"heads_kv={self.hkv}")
+        if self.layout not in ("bhld", "blhd"):
+            raise ValueError(f"case {self.name!r}: layout must be 'bhld' or 'blhd'; got "
+                             f"{self.layout!r}")
         if self.diagonal not in DIAGONALS:
             raise ValueError(f"case {self.name!r}: diagonal must be one of {DIAGONALS}")
         if (self.documents or self.prefix) and self.len_q != self.lk:
@@ -282,6 +289,8 @@ CATALOG: Tuple[Case, ...] = (
     # ---- standard (the benchmark pages' figures): B=1, H=8, d=64
     Case("dense_4k", len_q=4096, suites=_S),
     Case("causal_4k", len_q=4096, causal=True, suites=_S),
+    Case("causal_4k_blhd", len_q=4096, causal=True, layout="blhd", suites=_S,
+         note="causal_4k on transposed views, the layout model code passes"),
     Case("causal_br_1k_8k", len_q=1024, len_kv=8192, causal=True, diagonal="bottom_right",
          suites=_S, note="chunked prefill, Lq != Lk"),
     Case("window_8k", len_q=8192, causal=True, window=(512, 0), suites=_S),

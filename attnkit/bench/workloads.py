@@ -92,11 +92,16 @@ def make_workload(case: Case, dtype: torch.dtype) -> Workload:
     def draw(*shape: int, std: float = 1.0) -> Tensor:
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
+    def rows(b: int, h: int, length: int, d: int) -> Tensor:
+        if case.layout == "blhd":
+            return draw(b, length, h, d).transpose(1, 2)
+        return draw(b, h, length, d)
+
     b, hq, hkv = case.batch, case.heads_q, case.hkv
-    q = draw(b, hq, case.len_q, case.d_qk)
-    k = draw(b, hkv, case.lk, case.d_qk)
-    v = draw(b, hkv, case.lk, case.dv)
-    g = draw(b, hq, case.len_q, case.dv)
+    q = rows(b, hq, case.len_q, case.d_qk)
+    k = rows(b, hkv, case.lk, case.d_qk)
+    v = rows(b, hkv, case.lk, case.dv)
+    g = rows(b, hq, case.len_q, case.dv)
     slopes = standard_alibi_slopes(hq) if case.alibi else None
     table = None
     if case.relative_bias:

@@ -29,7 +29,9 @@
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
  * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
  * (parallel pass) transposed by blocks into float32 scratch: kt[(n, hkv, kb)][c][AK_FN],
- * values as float32 rows (only when they are not float32 already, or are read from pages).
+ * values as float32 rows (only when they are not float32 already, are read from pages, or
+ * their rows are not dv elements apart: a transposed view's rows, read in place, made P V wait
+ * on memory).
  * out (N, Hq, Lq, dv) and lse (N, Hq, Lq) are float32, contiguous, and so are the row maxima
  * where they are asked for. Rows with no visible key (and no sink) get out 0 and lse -inf.
  *
@@ -898,6 +900,18 @@ static void ak_fwd_begin(ak_fwd_it *t, const ak_flash_args *a, int64_t nkb, int6
     }
 }
 
+/* Query rows i0 .. i0 + nrows - 1 (from qbase) asked for at once, where they are not d elements
+ * apart (a transposed view's): the hardware follows no stream through them, and the rows read
+ * one by one waited on memory */
+static inline void ak_q_rows_ask(const ak_flash_args *a, const char *qbase, int64_t i0,
+                                 int64_t nrows) {
+    const int64_t esz = a->dtype == 0 ? 4 : 2;
+    if (a->qs[2] == a->d) return;
+    for (int64_t r = 0; r < nrows; r++)
+        for (int64_t o = 0; o < a->d * esz; o += 64)
+            __builtin_prefetch(qbase + (i0 + r) * a->qs[2] * esz + o);
+}
+
 /* Query row qr (d elements of a->dtype) into the item's buffers: its raw bfloat16 pairs into
  * raw (bf: the bfloat16 dot products scale the scores instead), else as float32 times qmul
  * into f32. Returns whether an element was not finite. */
@@ -929,6 +943,7 @@ static void ak_fwd_rows_in(ak_fwd_it *t, int64_t *kb0, int64_t *kb1) {
     const int64_t ebuf = a->bf16dot ? 2 : 4; /* bytes an element of a Q or P row of qbuf/pbuf */
     const char *qbase = (const char *)a->q + (n * a->qs[0] + t->h * a->qs[1]) * esz;
     int32_t kmin = INT32_MAX, kmax = 0;
+    ak_q_rows_ask(a, qbase, t->i0, t->nrows);
     for (int64_t r = 0; r < t->groups * AK_FR; r++) {
         t->m[r] = -INFINITY, t->mt[r] = -INFINITY, t->l[r] = 0.0f;
         if (r < t->nrows) {
