@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from attnkit import api
+from attnkit import api, native
 from attnkit import plan as plan_module
 from attnkit.backends import fused
 from attnkit.reference import attention_reference
@@ -148,7 +148,10 @@ def kernel_pages(monkeypatch):
 
 @pytest.fixture
 def specs_built(monkeypatch):
-    """How many calls built a spec (the full path); the replay cache starts empty."""
+    """How many calls built a spec (the full path); the replay cache starts empty and the
+    native kernels loaded (a call that loads them is not remembered: after a test that
+    reloads them, the first two calls would take the full path)."""
+    native.available()
     monkeypatch.setattr(api, "_REPLAYS", {})
     calls = []
     real = api.build_spec

@@ -364,3 +364,47 @@ def _decode_on_pages(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
             o += torch.bmm(pt[:, :, lo:hi], v_pages[pg, : hi - lo].permute(1, 0, 2)).float()
         out[b, :, 0] = o.reshape(hq, dv)
     return out, lse
+
+
+#: What :func:`replay_paged` runs: analytic masks over pages that are not fp8.
+_REPLAYED_PAGED = frozenset({"window", "softcap", "seqlens_kv", "paged_kv"})
+
+#: ``launch(q, k_pages, v_pages, block_table, seqlens_kv)``: see :func:`replay_paged`
+PagedLaunch = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Optional[Tensor]]
+
+
+def replay_paged(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]
+                 ) -> Optional[PagedLaunch]:
+    """A launcher for the paged decoding steps that follow this one
+    (:func:`attnkit.paged_attention_blocks`): the same query (shape, strides, dtype), options
+    and pages (shapes, strides, dtype), with any block table and lengths.
+    ``launch(q, k_pages, v_pages, block_table, seqlens_kv)`` runs the native kernel as
+    :func:`forward` would and returns the output in q's dtype, without a spec, a selection or
+    the block table's checks in Python (the kernel checks every page a sequence uses and
+    every length before it starts); it returns None (take the full path, which explains the
+    refusal) when the kernel was unloaded, a sequence holds fewer keys than the query block,
+    or the kernel refuses the table or the lengths. ``bounds`` are the window's unclamped
+    bounds (:func:`attnkit.spec.band`). None here when the call is not of that form: pages
+    that are not fp8, causal / window / softcap, no ALiBi or sinks, the kernel able to run
+    it."""
+    if (spec.paged is None or spec.paged.k_descale is not None or spec.is_empty
+            or spec.features() - _REPLAYED_PAGED or spec.starts_kv is not None
+            or _kernel_kv(spec) is None):
+        return None
+    terms = dict(_terms(spec), window=bounds)
+    del terms["alibi_slopes"]  # (None: not replayed)
+    call = native.DecodeCall(spec.q, spec.paged.k_pages.dtype, scale=spec.scale, **terms)
+    lib, rows = call.lib, spec.lq
+
+    def launch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+               seqlens_kv: Tensor) -> Optional[Tensor]:
+        if native._state.get("lib") is not lib or int(seqlens_kv.min()) < rows:
+            return None
+        try:
+            out, _ = call.run(q, k_pages, v_pages, block_table, seqlens_kv,
+                              max(1, int(seqlens_kv.max())), want_lse=False)
+        except ValueError:
+            return None
+        return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    return launch

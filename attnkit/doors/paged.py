@@ -5,17 +5,21 @@ over pages live in :mod:`attnkit.kv`."""
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import backends
+from .. import backends, native
+from ..backends import costs
 from ..engine.ops import is_compiling
 from ..kv.paged import PagedKVCache, paged_spec
+from ..kv.paged import paged_spec as _spec_checked  # (not the name tests count calls of)
 from ..kv.pages import _check_pages, _index_tensor, check_page_descales, gather_kv
-from ..terms.spec import DoorOptions, Options, PagedKV
-from .attention import _execute, _finish, attention
+from ..terms.checks import autocast_dtype
+from ..terms.spec import AttentionSpec, DoorOptions, Options, PagedKV, band, signature
+from . import attention as _api
+from .attention import _REPLAY_OPTIONS, _execute, _finish, _transformed, attention
 
 __all__ = ["paged_attention", "paged_attention_blocks", "TAKES", "UNSUPPORTED"]
 
@@ -76,6 +80,22 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     (``(num_pages, Hkv)``, ``(Hkv,)`` or a number; see :mod:`attnkit.pages`); q is then a
     float tensor (float32, bfloat16 or float16) and the output has its dtype."""
     options = {"causal": True, "diagonal": "bottom_right", **options}
+    key = None
+    if not return_lse:
+        key = _replay_key(q, k_pages, v_pages, block_table, seqlens_kv, k_descale, v_descale,
+                          options, backend)
+        try:
+            launch = _REPLAYS.get(key) if key is not None else None
+        except TypeError:  # an unhashable option value (a list for window): not replayed
+            key = launch = None
+        if launch is not None:
+            if _api.CHECK_REPLAYS:
+                _check_replay(key, q, k_pages, v_pages, block_table, seqlens_kv, options,
+                              backend)
+            out = launch(q, k_pages, v_pages, block_table, seqlens_kv)
+            if out is not None:
+                return out
+            _REPLAYS.pop(key, None)  # the full path explains the refusal (or makes a new one)
     opts = Options.from_kwargs("paged_attention", options, TAKES)
     if not isinstance(q, Tensor) or q.dim() != 4:
         raise ValueError(f"q must be 4-D (B, Hq, Lq, Dqk); got "
@@ -114,8 +134,84 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
         if backends.choose(spec, backend) is not None:
             out, lse, _ = _execute(spec, backend)
             out = _finish(spec, out)  # (out_dtype / out_scale, as attention applies them)
+            if key is not None and key not in _REPLAYS:
+                _remember(key, spec, opts, backend)
             return (out, lse) if return_lse else out
     k, v = gather_kv(k_pages, v_pages, block_table, lens, k_descale=kd, v_descale=vd,
                      dtype=q.dtype if kd is not None else None)
     return attention(q, k, v, return_lse=return_lse, backend=backend,
                      **dict(options, seqlens_kv=lens))
+
+
+# ---- decoding steps that recur: the same shapes over the same pages ------------------------
+
+#: The decode executor's launchers for paged steps (or None: not replayable), by
+#: :func:`_replay_key`, and the normalised form (:func:`attnkit.spec.signature`, the executor)
+#: each was made for
+_REPLAYS: Dict[tuple, Any] = {}
+_FORMS: Dict[tuple, Tuple[Any, str]] = {}
+
+
+def _replay_key(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens_kv: Any,
+                k_descale: Any, v_descale: Any, options: dict, backend: str
+                ) -> Optional[tuple]:
+    """The key of a paged call that the decode executor can replay: what the call has in
+    common with the next decoding step over the same cache (the query's shape, strides and
+    dtype; the pages' shapes, strides and dtypes; the block table's rows and dtype and the
+    lengths' form, not their contents or the table's width; the raw keywords), and what the
+    executor's choice reads (the threads, the loaded kernels, the cost table). None when the
+    call cannot be replayed: a tensor subclass or a list, not CPU, fp8 pages (descales), an
+    option beyond those :func:`attnkit.attention` replays, a query that requires grad,
+    autocast, a torch.func transform or forward-mode AD, torch.compile tracing, or replays
+    disabled (:func:`attnkit.replays_disabled`)."""
+    xs = (q, k_pages, v_pages, block_table, seqlens_kv)
+    if k_descale is not None or v_descale is not None or any(type(x) is not Tensor for x in xs):
+        return None
+    if not all(x.is_cpu for x in xs) or q.dim() != 4 or block_table.dim() != 2:
+        return None
+    if is_compiling() or getattr(_api._DISABLED, "on", False) or (
+            q.requires_grad and torch.is_grad_enabled()):
+        return None
+    items = []
+    for name, value in options.items():
+        if name not in _REPLAY_OPTIONS or isinstance(value, Tensor):
+            return None
+        items.append((name, type(value), value))
+    if autocast_dtype("cpu") is not None or _transformed():
+        return None
+    state = native._state
+    if "lib" not in state:
+        return None  # (not loaded yet: this call loads them)
+    return (q.shape, q.stride(), q.dtype, k_pages.shape, k_pages.stride(), k_pages.dtype,
+            v_pages.shape, v_pages.stride(), v_pages.dtype, block_table.shape[0],
+            block_table.dtype, seqlens_kv.shape, seqlens_kv.dtype, backend,
+            torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            id(state["lib"]), costs.generation(), tuple(items))
+
+
+def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str) -> None:
+    """Store the selected executor's launcher for ``key`` (its ``replay_paged``; None where it
+    has none, or does not replay this call), with the normalised form it was made for."""
+    executor = backends.select(spec, backend)
+    replay = getattr(executor, "replay_paged", None)
+    launch = replay(spec, band(opts.causal, opts.window)) if replay is not None else None
+    if len(_REPLAYS) > 256:  # a few forms recur in decoding; do not grow without bound
+        _REPLAYS.clear()
+        _FORMS.clear()
+    _REPLAYS[key] = launch
+    _FORMS[key] = (signature(spec), executor.CAPS.name)
+
+
+def _check_replay(key: tuple, q: Tensor, k_pages: Tensor, v_pages: Tensor,
+                  block_table: Tensor, seqlens_kv: Tensor, options: dict, backend: str) -> None:
+    """With :data:`attnkit.api.CHECK_REPLAYS`: the full path's normalised form of this call
+    against the one its launcher was made for (the full path's checks raise as they would)."""
+    opts = Options.from_kwargs("paged_attention", options, TAKES)
+    lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
+    spec = _spec_checked(q, PagedKV(k_pages, v_pages, block_table.long(), None, None),
+                         opts.merged(seqlens_kv=lens))
+    got = (signature(spec), backends.select(spec, backend).CAPS.name)
+    made = _FORMS.get(key)
+    if made is not None and got != made:
+        raise RuntimeError(f"attnkit: a replayed paged call normalises to another form than "
+                           f"the call its launcher was made for: {got} != {made}")
