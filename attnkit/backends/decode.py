@@ -366,30 +366,31 @@ def _decode_on_pages(spec: AttentionSpec) -> Tuple[Tensor, Tensor]:
     return out, lse
 
 
-#: What :func:`replay_paged` runs: analytic masks over pages that are not fp8.
-_REPLAYED_PAGED = frozenset({"window", "softcap", "seqlens_kv", "paged_kv"})
+#: What :func:`replay_paged` runs: analytic masks over pages, fp8 ones included.
+_REPLAYED_PAGED = frozenset({"window", "softcap", "seqlens_kv", "paged_kv", "fp8_kv"})
 
-#: ``launch(q, k_pages, v_pages, block_table, seqlens_kv)``: see :func:`replay_paged`
-PagedLaunch = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Optional[Tensor]]
+#: ``launch(q, k_pages, v_pages, block_table, seqlens_kv, k_descale, v_descale)``: see
+#: :func:`replay_paged`
+PagedLaunch = Callable[..., Optional[Tensor]]
 
 
 def replay_paged(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]]
                  ) -> Optional[PagedLaunch]:
     """A launcher for the paged decoding steps that follow this one
     (:func:`attnkit.paged_attention_blocks`): the same query (shape, strides, dtype), options
-    and pages (shapes, strides, dtype), with any block table and lengths.
-    ``launch(q, k_pages, v_pages, block_table, seqlens_kv)`` runs the native kernel as
-    :func:`forward` would and returns the output in q's dtype, without a spec, a selection or
-    the block table's checks in Python (the kernel checks every page a sequence uses and
-    every length before it starts); it returns None (take the full path, which explains the
-    refusal) when the kernel was unloaded, a sequence holds fewer keys than the query block,
-    or the kernel refuses the table or the lengths. ``bounds`` are the window's unclamped
-    bounds (:func:`attnkit.spec.band`). None here when the call is not of that form: pages
-    that are not fp8, causal / window / softcap, no ALiBi or sinks, the kernel able to run
-    it."""
-    if (spec.paged is None or spec.paged.k_descale is not None or spec.is_empty
-            or spec.features() - _REPLAYED_PAGED or spec.starts_kv is not None
-            or _kernel_kv(spec) is None):
+    and pages (shapes, strides, dtype), with any block table, lengths and descales.
+    ``launch(q, k_pages, v_pages, block_table, seqlens_kv, k_descale, v_descale)`` (the
+    descales as checked and laid out by :func:`attnkit.kv.pages.check_page_descales`, None
+    for pages that are not fp8) runs the native kernel as :func:`forward` would and returns
+    the output in q's dtype, without a spec, a selection or the block table's checks in
+    Python (the kernel checks every page a sequence uses and every length before it starts);
+    it returns None (take the full path, which explains the refusal) when the kernel was
+    unloaded, a sequence holds fewer keys than the query block, or the kernel refuses the
+    table or the lengths. ``bounds`` are the window's unclamped bounds
+    (:func:`attnkit.spec.band`). None here when the call is not of that form: causal /
+    window / softcap, no ALiBi or sinks, the kernel able to run it."""
+    if (spec.paged is None or spec.is_empty or spec.features() - _REPLAYED_PAGED
+            or spec.starts_kv is not None or _kernel_kv(spec) is None):
         return None
     terms = dict(_terms(spec), window=bounds)
     del terms["alibi_slopes"]  # (None: not replayed)
@@ -397,12 +398,14 @@ def replay_paged(spec: AttentionSpec, bounds: Tuple[Optional[int], Optional[int]
     lib, rows = call.lib, spec.lq
 
     def launch(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-               seqlens_kv: Tensor) -> Optional[Tensor]:
+               seqlens_kv: Tensor, k_descale: Optional[Tensor],
+               v_descale: Optional[Tensor]) -> Optional[Tensor]:
         if native._state.get("lib") is not lib or int(seqlens_kv.min()) < rows:
             return None
         try:
             out, _ = call.run(q, k_pages, v_pages, block_table, seqlens_kv,
-                              max(1, int(seqlens_kv.max())), want_lse=False)
+                              max(1, int(seqlens_kv.max())), want_lse=False,
+                              k_descale=k_descale, v_descale=v_descale)
         except ValueError:
             return None
         return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -90,9 +90,10 @@ def paged_attention_blocks(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
             key = launch = None
         if launch is not None:
             if _api.CHECK_REPLAYS:
-                _check_replay(key, q, k_pages, v_pages, block_table, seqlens_kv, options,
-                              backend)
-            out = launch(q, k_pages, v_pages, block_table, seqlens_kv)
+                _check_replay(key, q, k_pages, v_pages, block_table, seqlens_kv, k_descale,
+                              v_descale, options, backend)
+            kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)
+            out = launch(q, k_pages, v_pages, block_table, seqlens_kv, kd, vd)
             if out is not None:
                 return out
             _REPLAYS.pop(key, None)  # the full path explains the refusal (or makes a new one)
@@ -158,14 +159,14 @@ def _replay_key(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens_kv
     """The key of a paged call that the decode executor can replay: what the call has in
     common with the next decoding step over the same cache (the query's shape, strides and
     dtype; the pages' shapes, strides and dtypes; the block table's rows and dtype and the
-    lengths' form, not their contents or the table's width; the raw keywords), and what the
-    executor's choice reads (the threads, the loaded kernels, the cost table). None when the
-    call cannot be replayed: a tensor subclass or a list, not CPU, fp8 pages (descales), an
-    option beyond those :func:`attnkit.attention` replays, a query that requires grad,
-    autocast, a torch.func transform or forward-mode AD, torch.compile tracing, or replays
-    disabled (:func:`attnkit.replays_disabled`)."""
+    lengths' form, not their contents or the table's width; the descales' form, not their
+    values; the raw keywords), and what the executor's choice reads (the threads, the loaded
+    kernels, the cost table). None when the call cannot be replayed: a tensor subclass or a
+    list, not CPU, an option beyond those :func:`attnkit.attention` replays, a query that
+    requires grad, autocast, a torch.func transform or forward-mode AD, torch.compile tracing,
+    or replays disabled (:func:`attnkit.replays_disabled`)."""
     xs = (q, k_pages, v_pages, block_table, seqlens_kv)
-    if k_descale is not None or v_descale is not None or any(type(x) is not Tensor for x in xs):
+    if any(type(x) is not Tensor for x in xs):
         return None
     if not all(x.is_cpu for x in xs) or q.dim() != 4 or block_table.dim() != 2:
         return None
@@ -182,9 +183,11 @@ def _replay_key(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens_kv
     state = native._state
     if "lib" not in state:
         return None  # (not loaded yet: this call loads them)
+    descales = tuple((type(d), d.shape, d.dtype, d.device) if isinstance(d, Tensor) else type(d)
+                     for d in (k_descale, v_descale))
     return (q.shape, q.stride(), q.dtype, k_pages.shape, k_pages.stride(), k_pages.dtype,
             v_pages.shape, v_pages.stride(), v_pages.dtype, block_table.shape[0],
-            block_table.dtype, seqlens_kv.shape, seqlens_kv.dtype, backend,
+            block_table.dtype, seqlens_kv.shape, seqlens_kv.dtype, descales, backend,
             torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
             id(state["lib"]), costs.generation(), tuple(items))
 
@@ -203,12 +206,14 @@ def _remember(key: tuple, spec: AttentionSpec, opts: Options, backend: str) -> N
 
 
 def _check_replay(key: tuple, q: Tensor, k_pages: Tensor, v_pages: Tensor,
-                  block_table: Tensor, seqlens_kv: Tensor, options: dict, backend: str) -> None:
+                  block_table: Tensor, seqlens_kv: Tensor, k_descale: Any, v_descale: Any,
+                  options: dict, backend: str) -> None:
     """With :data:`attnkit.api.CHECK_REPLAYS`: the full path's normalised form of this call
     against the one its launcher was made for (the full path's checks raise as they would)."""
     opts = Options.from_kwargs("paged_attention", options, TAKES)
     lens = _check_pages(k_pages, v_pages, block_table, seqlens_kv)
-    spec = _spec_checked(q, PagedKV(k_pages, v_pages, block_table.long(), None, None),
+    kd, vd = check_page_descales(k_pages, v_pages, k_descale, v_descale)
+    spec = _spec_checked(q, PagedKV(k_pages, v_pages, block_table.long(), kd, vd),
                          opts.merged(seqlens_kv=lens))
     got = (signature(spec), backends.select(spec, backend).CAPS.name)
     made = _FORMS.get(key)
