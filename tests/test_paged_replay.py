@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_oracle, rand
+from conftest import check_oracle, rand, spy
 
 import attnkit
 from attnkit import native
@@ -28,15 +28,7 @@ def paged_specs(monkeypatch):
     native.available()
     monkeypatch.setattr(paged_door, "_REPLAYS", {})
     monkeypatch.setattr(paged_door, "_FORMS", {})
-    calls = []
-    real = paged_door.paged_spec
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(paged_door, "paged_spec", counting)
-    return calls
+    return spy(monkeypatch, paged_door, "paged_spec")
 
 
 def _grow(cache, seqs, gen, dtype, step):
