@@ -1596,7 +1596,7 @@ class FlashForward:
         # values are read in place only as float32 rows dv apart (from pages they are always
         # packed: a block of them is no one strided run; a transposed view's rows, read in
         # place, left P V waiting on memory)
-        plain = q.dtype == torch.float32 and pages is None and (v.stride(2) == a.dv or a.Lk == 1)
+        plain = q.dtype == torch.float32 and pages is None and v.stride(2) == a.dv
         self._vf = 0 if plain else a.N * a.Hkv * a.Lk * a.dv
         self._bf16 = (q.dtype == torch.bfloat16 and a.d % 32 == 0
                       and bool(_state["info"].get("flash_bf16")))
