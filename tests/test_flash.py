@@ -333,6 +333,53 @@ def test_non_finite_inputs_in_both_passes_match_the_fused_executor(where, dtype)
         assert torch.allclose(a[fin].float(), b[fin].float(), atol=2e-2)
 
 
+_NON_FINITE_SCRIPT = r"""
+import torch
+from attnkit import native
+g = torch.Generator().manual_seed(0)
+lo = torch.zeros(1, 150, dtype=torch.int64)
+hi = torch.full((1, 150), 150)
+terms = native.FlashTerms(lo=lo, hi=hi)
+seen = missed = 0
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    q, k, v = (torch.randn(2, 4, 150, 48, generator=g).to(dtype) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    native.flash_forward(q, k, v, 0.1, terms)  # (finite: no error)
+    # a full key block and the last one (22 keys), the first and the last square of dims
+    for which, n, h, j, c in (("k", 0, 0, 10, 47), ("k", 1, 1, 149, 33), ("k", 1, 0, 64, 0),
+                              ("v", 1, 1, 149, 47), ("v", 0, 1, 64, 0), ("v", 0, 0, 3, 20)):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            kk, vv = k.clone(), v.clone()
+            (kk if which == "k" else vv)[n, h, j, c] = bad
+            try:
+                native.flash_forward(q, kk, vv, 0.1, terms)
+                missed += 1
+                print("MISSED", dtype, which, n, h, j, c, bad)
+            except native.FlashNonFinite:
+                seen += 1
+print("BITS", native.build_info()["flash_bits"], "SEEN", seen, "MISSED", missed)
+"""
+
+
+@pytest.mark.parametrize("avx512", ["1", "0"], ids=["default", "256-bit"])
+def test_a_non_finite_key_or_value_anywhere_is_seen(avx512):
+    """The packing of the keys (transposed in registers, square by square) and its look at the
+    values see a NaN or an infinity in any key block (a full one, the last partial one) and
+    any square of head dims, in each input dtype, in each build (a fresh process each)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = dict(os.environ, ATTNKIT_NATIVE_AVX512=avx512)
+    proc = subprocess.run([sys.executable, "-c", _NON_FINITE_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bits, seen, missed = re.search(r"BITS (\d+) SEEN (\d+) MISSED (\d+)", proc.stdout).groups()
+    if avx512 == "0":
+        assert bits == "256", proc.stdout
+    assert (int(seen), int(missed)) == (54, 0), proc.stdout
+
+
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(30, 4)), dict(softcap=2.0),
                                 dict(alibi_slopes=torch.rand(4), causal=True)], ids=str)
 @pytest.mark.parametrize("shape", [dict(), dict(hkv=1, d=64, dv=16, lq=140, lk=203)], ids=str)

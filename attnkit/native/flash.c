@@ -341,31 +341,6 @@ static inline akvi ak_pair16(const uint16_t *ra, const uint16_t *rb) {
     return akvi_or(lo, akvi_slli(hi, 16));
 }
 
-#if AKV_BITS == 512 /* (AVX-512-specific) */
-/* 16 x 16 32-bit words in place: r[i] (word c of row i in lane c) becomes column i */
-static inline void ak_transpose16(akvi r[16]) {
-    akvi t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-#endif
 
 /* ---- packing: key blocks transposed, values to float32 ------------------------------------ */
 
@@ -410,7 +385,7 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
                 r[i] = j16 + i < nk ? akvi_load((const uint32_t *)kr[j16 + i] + c0) : akvi_zero();
                 bad |= akvi_bf16_nonfinite(r[i]);
             }
-            ak_transpose16(r);
+            akvi_transpose16(r);
             for (int i = 0; i < 16; i++)
                 akvi_store(kd + (c0 + i) * AK_FN + j16, r[i]);
         }
@@ -435,33 +410,41 @@ static int ak_pack_bf(const ak_flash_args *a, const char *kr[AK_FN], const char 
     return bad;
 }
 
-/* float32 arithmetic: one block's keys transposed to float32 (zero past nk) into kt, and its
- * values as float32 rows into vd (NULL: float32 values read in place, only checked here).
- * Returns whether an input was not finite. */
+/* AKR_LANES elements of a row (float32, bfloat16 or float16: dtype) at element i */
+static inline akr ak_load_row(const void *p, int dtype, int64_t i) {
+    if (dtype == 0) return akr_load((const float *)p + i);
+    if (dtype == 2) return akr_load_f16((const uint16_t *)p + i);
+    return akr_load_bf16((const uint16_t *)p + i);
+}
+
+/* float32 arithmetic: one block's keys transposed to float32 (zero past nk) into kt, square
+ * by square of AKR_LANES keys and dims in registers, and its values as float32 rows into vd
+ * (NULL: float32 values read in place, only checked here). Returns whether an input was not
+ * finite: x * 0 is +-0 where x is finite and NaN where not, and the bitwise or of such
+ * values is NaN exactly where one of them is (no chain of additions to wait on). */
 static int ak_pack_f32(const ak_flash_args *a, const char *kr[AK_FN], const char *vr[AK_FN],
                        int64_t nk, float *kt, float *vd) {
     const int64_t d = a->d, dv = a->dv;
-    int bad = 0;
-    float tile[AK_FN][16];
-    for (int64_t c0 = 0; c0 < d; c0 += 16) {
-        for (int64_t jj = 0; jj < AK_FN; jj++) {
-            akv x = akv_zero();
-            if (jj < nk) x = ak_load_row16(kr[jj], a->dtype, c0);
-            bad |= ak_nonfinite(x) != 0;
-            akv_store(tile[jj], x);
+    const akr zero = akr_set1(0.0f);
+    akr z = zero;
+    for (int64_t c0 = 0; c0 < d; c0 += AKR_LANES)
+        for (int64_t j = 0; j < AK_FN; j += AKR_LANES) {
+            akr r[AKR_LANES];
+            for (int i = 0; i < AKR_LANES; i++) {
+                r[i] = j + i < nk ? ak_load_row(kr[j + i], a->dtype, c0) : zero;
+                z = akr_or(z, akr_mul(r[i], zero));
+            }
+            akr_transpose(r);
+            for (int i = 0; i < AKR_LANES; i++) akr_store(kt + (c0 + i) * AK_FN + j, r[i]);
         }
-        for (int64_t c = 0; c < 16; c++) {
-            float *row = kt + (c0 + c) * AK_FN;
-            for (int64_t jj = 0; jj < AK_FN; jj++) row[jj] = tile[jj][c];
-        }
-    }
     for (int64_t jj = 0; jj < nk; jj++)
-        for (int64_t c0 = 0; c0 < dv; c0 += 16) {
-            const akv x = ak_load_row16(vr[jj], a->dtype, c0);
-            bad |= ak_nonfinite(x) != 0;
-            if (vd != NULL) akv_store(vd + jj * dv + c0, x);
+        for (int64_t c0 = 0; c0 < dv; c0 += AKR_LANES) {
+            const akr x = ak_load_row(vr[jj], a->dtype, c0);
+            z = akr_or(z, akr_mul(x, zero));
+            if (vd != NULL) akr_store(vd + jj * dv + c0, x);
         }
-    return bad;
+    const float zs = akr_reduce_add(z);
+    return zs != zs;
 }
 
 /* fp8 pages: the nk rows of one block of keys or values (dim c each, at rows[]) of kv head h
@@ -1047,13 +1030,11 @@ AK_HOT void ak_scores_bf_in(const uint32_t *q, int64_t dp, const uint32_t *kt,
 }
 #endif
 
-/* The scores of group rows r0 .. r0 + 3 on key block kt (keys j0 ..), scaled (but with
- * fold); a block the rows do not all see whole: only its quarters some row sees */
-AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0,
-                          int full, akv s[AK_FR][4]) {
+/* The scores of group rows r0 .. r0 + 3 on key block kt, scaled (but with fold): only the
+ * block's quarters [ua, ue) (the ones some row sees) */
+AK_HOT void ak_fwd_scores(const ak_fwd_it *t, const float *kt, int64_t r0, int ua, int ue,
+                          akv s[AK_FR][4]) {
     const int64_t d = t->a->d;
-    int ua, ue;
-    ak_group_quarters(t->lo + r0, t->hi + r0, j0, full, &ua, &ue);
 #ifdef AK_FLASH_BF16
     if (t->a->bf16dot) {
         ak_scores_bf_in((const uint32_t *)t->qbuf + r0 * (d / 2), d / 2, (const uint32_t *)kt,
@@ -1086,22 +1067,35 @@ AK_HOT akv4 ak_fwd_new_max(ak_fwd_it *t, int64_t r0, const akv rv[AK_FR], float 
     return al;
 }
 
-/* Row rr's weights on key block j0, 2^(s - base) (bfloat16 dot products: to bfloat16's
- * precision), into pbuf, the ones the dropout drops as 0. Returns their sums by lane (every
- * weight: the softmax sums them all; P V only the kept ones). */
-AK_HOT akv ak_fwd_weights(const ak_fwd_it *t, const akv s[4], float base, int32_t j0,
-                          int64_t rr) {
-    const ak_flash_args *a = t->a;
-    akv p[4];
+/* p[u] = 2^(s[u] - base) for the quarters u in [ua, ue) (bfloat16 dot products: to
+ * bfloat16's precision) */
+AK_HOT void ak_fwd_exp(const ak_fwd_it *t, const akv s[4], float base, int ua, int ue,
+                       akv p[4]) {
     if (t->fold) {
         const akv qm = akv_set1(t->qmul), nb = akv_set1(-base);
-        for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_fmadd(s[u], qm, nb));
-    } else if (a->bf16dot) {
+        for (int u = ua; u < ue; u++) p[u] = akv_exp2_bf(akv_fmadd(s[u], qm, nb));
+    } else if (t->a->bf16dot) {
         const akv mb = akv_set1(base);
-        for (int u = 0; u < 4; u++) p[u] = akv_exp2_bf(akv_sub(s[u], mb));
+        for (int u = ua; u < ue; u++) p[u] = akv_exp2_bf(akv_sub(s[u], mb));
     } else {
         const akv mb = akv_set1(base);
-        for (int u = 0; u < 4; u++) p[u] = akv_exp2(akv_sub(s[u], mb));
+        for (int u = ua; u < ue; u++) p[u] = akv_exp2(akv_sub(s[u], mb));
+    }
+}
+
+/* Row rr's weights on key block j0 into pbuf, the ones the dropout drops as 0: those of the
+ * quarters [ua, ue), the others 0 (the quarters no row of the group sees: their scores are
+ * -inf). Returns their sums by lane (every weight: the softmax sums them all; P V only the
+ * kept ones). */
+AK_HOT akv ak_fwd_weights(const ak_fwd_it *t, const akv s[4], float base, int32_t j0,
+                          int64_t rr, int ua, int ue) {
+    const ak_flash_args *a = t->a;
+    akv p[4];
+    if (ua == 0 && ue == 4) { /* (constant bounds: unrolled) */
+        ak_fwd_exp(t, s, base, 0, 4, p);
+    } else {
+        for (int u = 0; u < 4; u++) p[u] = akv_zero();
+        ak_fwd_exp(t, s, base, ua, ue, p);
     }
     const akv sum = akv_add(akv_add(p[0], p[1]), akv_add(p[2], p[3]));
     if (a->dropout) {
@@ -1124,7 +1118,9 @@ AK_HOT akv ak_fwd_weights(const ak_fwd_it *t, const akv s[4], float base, int32_
 AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, int full) {
     akv s[AK_FR][4], rv[AK_FR];
     float bs[AK_FR];
-    ak_fwd_scores(t, kt, r0, j0, full, s);
+    int ua, ue;
+    ak_group_quarters(t->lo + r0, t->hi + r0, j0, full, &ua, &ue);
+    ak_fwd_scores(t, kt, r0, ua, ue, s);
     for (int r = 0; r < AK_FR; r++) {
         const int64_t rr = r0 + r;
         ak_row_terms(t->a, s[r], j0, t->ipf[rr], t->slope,
@@ -1138,7 +1134,7 @@ AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, 
          * its own by more than AK_LAZY (weights up to 2^AK_LAZY): they need not wait for
          * this block's maxima, which only decide whether to keep them */
         akv w[AK_FR];
-        for (int r = 0; r < AK_FR; r++) w[r] = ak_fwd_weights(t, s[r], m[r], j0, r0 + r);
+        for (int r = 0; r < AK_FR; r++) w[r] = ak_fwd_weights(t, s[r], m[r], j0, r0 + r, ua, ue);
         akv4 mx = akv_rows4_max(rv[0], rv[1], rv[2], rv[3]);
         if (t->fold) mx = akv4_mul(mx, akv4_set1(t->qmul));
         float x[AK_FR];
@@ -1154,7 +1150,7 @@ AK_HOT void ak_fwd_group(ak_fwd_it *t, const float *kt, int64_t r0, int32_t j0, 
     }
     const akv4 al = ak_fwd_new_max(t, r0, rv, bs);
     akv4_store(t->mt + r0, akv4_max(akv4_load(t->m + r0), akv4_load(t->mt + r0)));
-    for (int r = 0; r < AK_FR; r++) rv[r] = ak_fwd_weights(t, s[r], bs[r], j0, r0 + r);
+    for (int r = 0; r < AK_FR; r++) rv[r] = ak_fwd_weights(t, s[r], bs[r], j0, r0 + r, ua, ue);
     const akv4 sum = akv_rows4_add(rv[0], rv[1], rv[2], rv[3]);
     akv4_store(t->l + r0, akv4_add(akv4_mul(akv4_load(t->l + r0), al), sum));
 }

@@ -35,7 +35,8 @@
  *   NaN kept quiet, as torch's casts)  akr_reduce_add (halves, then (s0 + s2) + (s1 + s3))
  *   akr_reduce_max (halves; no NaN among the lanes)  akr_rows4_add (lane r: the sum of
  *   register r's lanes, in the backend's own tree; AVX-512's akr_rows4_lanes: that sum in
- *   every element of 128-bit lane r)
+ *   every element of 128-bit lane r)  akr_transpose (AKR_LANES registers as the rows of a
+ *   square: register i becomes column i, in registers; the x86 backends, for flash.c)
  *   (AVX2: akr_keep2, as akv_keep4 below, for flash.c's 256-bit matrix products)
  * Vector tier (akv), float32:
  *   akv_zero  akv_set1  akv_load  akv_store  akv_add  akv_sub  akv_mul  akv_div  akv_fmadd
@@ -122,6 +123,35 @@ AKV_FN void akr_load_bf16_eo(const uint16_t *p, akr *even, akr *odd) {
 }
 AKV_FN akr akr_load_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+/* 16 x 16 32-bit words in place: word c of r[i] becomes word i of r[c] */
+AKV_FN void akvi_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+AKV_FN void akr_transpose(akr r[AKR_LANES]) {
+    __m512i w[16];
+    for (int i = 0; i < 16; i++) w[i] = _mm512_castps_si512(r[i]);
+    akvi_transpose16(w);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_castsi512_ps(w[i]);
 }
 AKV_FN void akr_store_bf16(uint16_t *p, akr x) {
     const __m512i u = _mm512_castps_si512(x);
@@ -313,6 +343,23 @@ AKV_FN void akr_load_bf16_eo(const uint16_t *p, akr *even, akr *odd) {
 }
 AKV_FN akr akr_load_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+AKV_FN void akr_transpose(akr r[AKR_LANES]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) { /* (r0[0] r1[0] r0[1] r1[1] | r0[4] r1[4] ..) .. */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) { /* (r0[c] r1[c] r2[c] r3[c] | the same of c + 4) */
+        u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+        u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xee);
+        u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+        u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
 }
 AKV_FN void akr_store_bf16(uint16_t *p, akr x) {
     const __m256i u = _mm256_castps_si256(x);
