@@ -27,9 +27,11 @@
  * chain of reductions, which only decide whether to keep them.
  *
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
- * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are first packed
- * (parallel pass) transposed by blocks into float32 scratch: kt[(n, hkv, kb)][c][AK_FN],
- * values as float32 rows (only when they are not float32 already, are read from pages, or
+ * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are packed
+ * transposed by blocks into float32 scratch, kt[(n, hkv, kb)][c][AK_FN], when a query block
+ * first needs them (by whichever worker gets there first; the others wait for it: the same
+ * bits whoever packs, and the keys are read while the other workers compute), and those no
+ * query sees at the end, so that a non-finite input anywhere is found; values as float32 rows (only when they are not float32 already, are read from pages, or
  * their rows are not dv elements apart: a transposed view's rows, read in place, made P V wait
  * on memory).
  * out (N, Hq, Lq, dv) and lse (N, Hq, Lq) are float32, contiguous, and so are the row maxima
@@ -45,7 +47,9 @@
  * product) is found as in any other input.
  */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "attnkit.h"
@@ -467,46 +471,31 @@ static void ak_stage_fp8(const ak_flash_args *a, const float *desc, int64_t n, i
     }
 }
 
-typedef struct {
-    const ak_flash_args *a;
-    int64_t nkb, next;
-} ak_pack_ctx;
-
-/* Packs the key blocks (batch row, kv head, block), in parallel; blocks past a row's keys
- * (a block table's row shorter than Lk) are never read, so not packed. */
-static void ak_pack_worker(void *vctx, int w, int nw) {
-    (void)w, (void)nw;
-    ak_pack_ctx *ctx = vctx;
-    const ak_flash_args *a = ctx->a;
-    const int64_t d = a->d, dv = a->dv, nkb = ctx->nkb;
-    const int64_t total = a->N * a->Hkv * nkb;
-    int bad = 0;
-    int64_t b0, b1;
-    /* fp8 pages: one block's keys and values dequantized (ak_stage_fp8) */
+/* Packs key block t = (batch row, kv head, block) (and its values where they are packed);
+ * a block past the row's keys (a block table's row shorter than Lk) is never read. Returns
+ * whether an input was not finite. */
+static __attribute__((noinline)) int ak_pack_block(const ak_flash_args *a, int64_t nkb,
+                                                   int64_t t) {
+    const int64_t d = a->d, dv = a->dv;
+    const int64_t kb = t % nkb, nh = t / nkb, n = nh / a->Hkv, h = nh % a->Hkv;
+    const int64_t j0 = kb * AK_FN, keys = ak_keys_of(a, n);
+    const int64_t nk = keys - j0 < AK_FN ? keys - j0 : AK_FN;
+    if (nk <= 0) return 0;
+    /* fp8 pages: the block's keys and values dequantized (ak_stage_fp8) */
     char kbuf[AK_FN * AK_FD * 4] __attribute__((aligned(64)));
     char vbuf[AK_FN * AK_FD * 4] __attribute__((aligned(64)));
-    while (ak_next_block(&ctx->next, 4, total, &b0, &b1)) {
-        for (int64_t t = b0; t < b1; t++) {
-            const int64_t kb = t % nkb, nh = t / nkb, n = nh / a->Hkv, h = nh % a->Hkv;
-            const int64_t j0 = kb * AK_FN, keys = ak_keys_of(a, n);
-            const int64_t nk = keys - j0 < AK_FN ? keys - j0 : AK_FN;
-            if (nk <= 0) continue;
-            const char *kr[AK_FN], *vr[AK_FN];
-            ak_block_rows(a, a->k, a->ks, n, h, j0, nk, kr);
-            ak_block_rows(a, a->v, a->vs, n, h, j0, nk, vr);
-            if (a->fp8) { /* (rows of dtype in kbuf, vbuf from here on) */
-                ak_stage_fp8(a, a->kd, n, h, j0, nk, d, kr, kbuf);
-                ak_stage_fp8(a, a->vd, n, h, j0, nk, dv, vr, vbuf);
-            }
-            if (a->bf16dot)
-                bad |= ak_pack_bf(a, kr, vr, nk, (uint32_t *)a->kt + t * (d / 2) * AK_FN,
-                                  (uint32_t *)a->vf + (nh * ((a->Lk + 1) / 2) + j0 / 2) * dv);
-            else
-                bad |= ak_pack_f32(a, kr, vr, nk, a->kt + t * d * AK_FN,
-                                   a->vf != NULL ? a->vf + (nh * a->Lk + j0) * dv : NULL);
-        }
+    const char *kr[AK_FN], *vr[AK_FN];
+    ak_block_rows(a, a->k, a->ks, n, h, j0, nk, kr);
+    ak_block_rows(a, a->v, a->vs, n, h, j0, nk, vr);
+    if (a->fp8) { /* (rows of dtype in kbuf, vbuf from here on) */
+        ak_stage_fp8(a, a->kd, n, h, j0, nk, d, kr, kbuf);
+        ak_stage_fp8(a, a->vd, n, h, j0, nk, dv, vr, vbuf);
     }
-    if (bad) ak_flag_bad(a);
+    if (a->bf16dot)
+        return ak_pack_bf(a, kr, vr, nk, (uint32_t *)a->kt + t * (d / 2) * AK_FN,
+                          (uint32_t *)a->vf + (nh * ((a->Lk + 1) / 2) + j0 / 2) * dv);
+    return ak_pack_f32(a, kr, vr, nk, a->kt + t * d * AK_FN,
+                       a->vf != NULL ? a->vf + (nh * a->Lk + j0) * dv : NULL);
 }
 
 /* The score terms of one query row on one key block, in place on its four vectors of
@@ -553,8 +542,34 @@ static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, fl
 
 typedef struct {
     const ak_flash_args *a;
-    int64_t nkb, nqb, next;
+    int64_t nkb, nqb, next, rest;
+    uint8_t *packed; /* per key block (as kt): 0, 1 (a worker is packing it), 2 (packed) */
 } ak_fwd_ctx;
+
+/* Packs key block t unless a worker has taken it already */
+static void ak_fwd_take(ak_fwd_ctx *ctx, int64_t t) {
+    uint8_t none = 0;
+    if (__atomic_load_n(ctx->packed + t, __ATOMIC_RELAXED) != 0
+        || !__atomic_compare_exchange_n(ctx->packed + t, &none, 1, 0, __ATOMIC_ACQUIRE,
+                                        __ATOMIC_RELAXED))
+        return;
+    if (ak_pack_block(ctx->a, ctx->nkb, t)) ak_flag_bad(ctx->a);
+    __atomic_store_n(ctx->packed + t, 2, __ATOMIC_RELEASE);
+}
+
+/* Key blocks [kb0, kb1) of (batch row n, kv head hk) packed: the ones no worker has taken,
+ * here; then a wait for those another worker is packing (a spin, then yielding the core to
+ * it where it lost its own) */
+static void ak_fwd_need(ak_fwd_ctx *ctx, int64_t n, int64_t hk, int64_t kb0, int64_t kb1) {
+    const int64_t base = (n * ctx->a->Hkv + hk) * ctx->nkb;
+    for (int64_t kb = kb0; kb < kb1; kb++) ak_fwd_take(ctx, base + kb);
+    for (int64_t kb = kb0; kb < kb1; kb++)
+        for (int spins = 0; __atomic_load_n(ctx->packed + base + kb, __ATOMIC_ACQUIRE) != 2;)
+            if (++spins < 4096)
+                __builtin_ia32_pause();
+            else
+                sched_yield();
+}
 
 /* S = Qg Kt for AK_FR rows (q rows of stride d, prescaled) and one packed key block */
 #if AKV_BITS != 256
@@ -1180,12 +1195,14 @@ AK_HOT void ak_fwd_pv(const ak_fwd_it *t, const uint8_t *live, int32_t j0, int64
 
 /* One query block of (batch row n, query head h): every key block some row sees, group by
  * group, then the rows' outputs */
-static void ak_fwd_item(const ak_flash_args *a, int64_t nkb, int64_t n, int64_t h, int64_t i0,
-                        int64_t i1, int worker) {
+static void ak_fwd_item(ak_fwd_ctx *ctx, int64_t n, int64_t h, int64_t i0, int64_t i1,
+                        int worker) {
+    const ak_flash_args *a = ctx->a;
     ak_fwd_it t;
     int64_t kb0, kb1;
-    ak_fwd_begin(&t, a, nkb, n, h, i0, i1, worker);
+    ak_fwd_begin(&t, a, ctx->nkb, n, h, i0, i1, worker);
     ak_fwd_rows_in(&t, &kb0, &kb1);
+    ak_fwd_need(ctx, n, h / (a->Hq / a->Hkv), kb0, kb1);
     for (int64_t kb = kb0; kb < kb1; kb++) {
         const int32_t j0 = (int32_t)(kb * AK_FN);
         const int64_t nk = t.Lk - j0 < AK_FN ? t.Lk - j0 : AK_FN;
@@ -1216,8 +1233,12 @@ static void ak_fwd_worker(void *vctx, int w, int nw) {
         /* the last query blocks first: under a causal mask they hold the most work */
         const int64_t qb = nqb - 1 - t0 % nqb, nh = t0 / nqb;
         const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < a->Lq ? i0 + AK_FM : a->Lq;
-        ak_fwd_item(a, ctx->nkb, nh / a->Hq, nh % a->Hq, i0, i1, w);
+        ak_fwd_item(ctx, nh / a->Hq, nh % a->Hq, i0, i1, w);
     }
+    /* the key blocks no query needed, packed all the same: a non-finite input anywhere
+     * gives AK_NONFINITE, whatever the mask */
+    while (ak_next_block(&ctx->rest, 64, a->N * a->Hkv * ctx->nkb, &t0, &t1))
+        for (int64_t t = t0; t < t1; t++) ak_fwd_take(ctx, t);
 }
 
 int attnkit_flash_forward(const ak_flash_args *a) {
@@ -1240,10 +1261,11 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->out_dtype < AK_F32 || a->out_dtype > AK_F16) return AK_BAD_DTYPE;
     if (a->bad == NULL || a->kt == NULL || a->out == NULL || a->lse == NULL) return AK_NO_BUFFER;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
-    ak_pack_ctx pc = {a, nkb, 0};
-    ak_team_run(ak_pack_worker, &pc, a->threads);
-    ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0};
+    uint8_t *packed = calloc((size_t)(a->N * a->Hkv * nkb), 1);
+    if (packed == NULL) return AK_NO_MEMORY;
+    ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0, 0, packed};
     ak_team_run(ak_fwd_worker, &fc, a->threads);
+    free(packed);
     return *a->bad ? AK_NONFINITE : AK_OK; /* the caller runs another path on AK_NONFINITE */
 }
 
