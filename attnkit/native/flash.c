@@ -1391,7 +1391,18 @@ static inline void ak_tn(float *acc, int64_t cols, const float *x, const float *
 }
 #endif
 
-/* Pack key block kb (transposed K and V, K rows as float32) into kt, vt, kn. */
+/* x (AK_FN rows of c floats, c a multiple of AKR_LANES) transposed into xt[c][AK_FN], square
+ * by square in registers */
+static inline void ak_transpose_block(const float *x, int64_t c, float *xt) {
+    for (int64_t c0 = 0; c0 < c; c0 += AKR_LANES)
+        for (int64_t j = 0; j < AK_FN; j += AKR_LANES) {
+            akr r[AKR_LANES];
+            for (int i = 0; i < AKR_LANES; i++) r[i] = akr_load(x + (j + i) * c + c0);
+            akr_transpose(r);
+            for (int i = 0; i < AKR_LANES; i++) akr_store(xt + (c0 + i) * AK_FN + j, r[i]);
+        }
+}
+
 /* Pack key block kb for the backward: float32 K^T, V^T and K rows (kt, vt, kn), or with
  * bf16dot the same as bfloat16 pairs: K^T and V^T pairs of dims (one key a lane) and K pairs
  * of keys (kp[jp][c] = (K[2jp][c], K[2jp + 1][c])). */
@@ -1442,10 +1453,8 @@ static void ak_bwd_pack(const ak_flash_args *a, const char *kbase, const char *v
             akv_store(stage + jj * dv + c, x);
         }
     }
-    for (int64_t c = 0; c < d; c++)
-        for (int64_t jj = 0; jj < AK_FN; jj++) kt[c * AK_FN + jj] = kn[jj * d + c];
-    for (int64_t c = 0; c < dv; c++)
-        for (int64_t jj = 0; jj < AK_FN; jj++) vt[c * AK_FN + jj] = stage[jj * dv + c];
+    ak_transpose_block(kn, d, kt);
+    ak_transpose_block(stage, dv, vt);
     if (badm) ak_flag_bad(a);
 }
 
