@@ -542,7 +542,8 @@ static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, fl
 
 typedef struct {
     const ak_flash_args *a;
-    int64_t nkb, nqb, next, rest;
+    int64_t nkb, nqb, next;
+    int64_t rest;    /* the next key block of the blocks' order a waiting or done worker tries */
     uint8_t *packed; /* per key block (as kt): 0, 1 (a worker is packing it), 2 (packed) */
 } ak_fwd_ctx;
 
@@ -558,17 +559,24 @@ static void ak_fwd_take(ak_fwd_ctx *ctx, int64_t t) {
 }
 
 /* Key blocks [kb0, kb1) of (batch row n, kv head hk) packed: the ones no worker has taken,
- * here; then a wait for those another worker is packing (a spin, then yielding the core to
- * it where it lost its own) */
+ * here; then a wait for those another worker is packing, during which this one packs the
+ * blocks no worker has taken yet in their order (all are packed in the end: a worker that
+ * lost its core mid-block costs the others no idle time while any is left), then spins and
+ * yields its core */
 static void ak_fwd_need(ak_fwd_ctx *ctx, int64_t n, int64_t hk, int64_t kb0, int64_t kb1) {
     const int64_t base = (n * ctx->a->Hkv + hk) * ctx->nkb;
+    const int64_t total = ctx->a->N * ctx->a->Hkv * ctx->nkb;
     for (int64_t kb = kb0; kb < kb1; kb++) ak_fwd_take(ctx, base + kb);
     for (int64_t kb = kb0; kb < kb1; kb++)
-        for (int spins = 0; __atomic_load_n(ctx->packed + base + kb, __ATOMIC_ACQUIRE) != 2;)
-            if (++spins < 4096)
+        for (int spins = 0; __atomic_load_n(ctx->packed + base + kb, __ATOMIC_ACQUIRE) != 2;) {
+            int64_t t0, t1;
+            if (ak_next_block(&ctx->rest, 1, total, &t0, &t1))
+                ak_fwd_take(ctx, t0);
+            else if (++spins < 64)
                 __builtin_ia32_pause();
             else
                 sched_yield();
+        }
 }
 
 /* S = Qg Kt for AK_FR rows (q rows of stride d, prescaled) and one packed key block */
@@ -1235,10 +1243,9 @@ static void ak_fwd_worker(void *vctx, int w, int nw) {
         const int64_t i0 = qb * AK_FM, i1 = i0 + AK_FM < a->Lq ? i0 + AK_FM : a->Lq;
         ak_fwd_item(ctx, nh / a->Hq, nh % a->Hq, i0, i1, w);
     }
-    /* the key blocks no query needed, packed all the same: a non-finite input anywhere
-     * gives AK_NONFINITE, whatever the mask */
-    while (ak_next_block(&ctx->rest, 64, a->N * a->Hkv * ctx->nkb, &t0, &t1))
-        for (int64_t t = t0; t < t1; t++) ak_fwd_take(ctx, t);
+    /* the key blocks no query needed (and no waiting worker took), packed all the same: a
+     * non-finite input anywhere gives AK_NONFINITE, whatever the mask */
+    while (ak_next_block(&ctx->rest, 1, a->N * a->Hkv * ctx->nkb, &t0, &t1)) ak_fwd_take(ctx, t0);
 }
 
 int attnkit_flash_forward(const ak_flash_args *a) {
