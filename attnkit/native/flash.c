@@ -29,11 +29,12 @@
  * Layout: q (N, Hq, Lq, d), k (N, Hkv, Lk, d), v (N, Hkv, Lk, dv) with any batch/head/row
  * strides and unit stride along the head dim, float32, bfloat16 or float16; keys are packed
  * transposed by blocks into float32 scratch, kt[(n, hkv, kb)][c][AK_FN], when a query block
- * first needs them (by whichever worker gets there first; the others wait for it: the same
- * bits whoever packs, and the keys are read while the other workers compute), and those no
- * query sees at the end, so that a non-finite input anywhere is found; values as float32 rows (only when they are not float32 already, are read from pages, or
- * their rows are not dv elements apart: a transposed view's rows, read in place, made P V wait
- * on memory).
+ * first needs them, by whichever worker gets there first (one that needs a block another is
+ * packing packs blocks no worker has taken meanwhile; the same bits whoever packs, and the
+ * keys are read while the other workers compute), and the blocks no query needs at the end,
+ * so that a non-finite input anywhere is found; values as float32 rows (only when they are
+ * not float32 already, are read from pages, or their rows are not dv elements apart: a
+ * transposed view's rows, read in place, made P V wait on memory).
  * out (N, Hq, Lq, dv) and lse (N, Hq, Lq) are float32, contiguous, and so are the row maxima
  * where they are asked for. Rows with no visible key (and no sink) get out 0 and lse -inf.
  *
