@@ -544,6 +544,7 @@ static inline void ak_row_terms(const ak_flash_args *a, akv s[4], int32_t j0, fl
 typedef struct {
     const ak_flash_args *a;
     int64_t nkb, nqb, next;
+    int64_t blocks;  /* key blocks: N * Hkv * nkb */
     int64_t rest;    /* the next key block of the blocks' order a waiting or done worker tries */
     uint8_t *packed; /* per key block (as kt): 0, 1 (a worker is packing it), 2 (packed) */
 } ak_fwd_ctx;
@@ -566,12 +567,11 @@ static void ak_fwd_take(ak_fwd_ctx *ctx, int64_t t) {
  * yields its core */
 static void ak_fwd_need(ak_fwd_ctx *ctx, int64_t n, int64_t hk, int64_t kb0, int64_t kb1) {
     const int64_t base = (n * ctx->a->Hkv + hk) * ctx->nkb;
-    const int64_t total = ctx->a->N * ctx->a->Hkv * ctx->nkb;
     for (int64_t kb = kb0; kb < kb1; kb++) ak_fwd_take(ctx, base + kb);
     for (int64_t kb = kb0; kb < kb1; kb++)
         for (int spins = 0; __atomic_load_n(ctx->packed + base + kb, __ATOMIC_ACQUIRE) != 2;) {
             int64_t t0, t1;
-            if (ak_next_block(&ctx->rest, 1, total, &t0, &t1))
+            if (ak_next_block(&ctx->rest, 1, ctx->blocks, &t0, &t1))
                 ak_fwd_take(ctx, t0);
             else if (++spins < 64)
                 __builtin_ia32_pause();
@@ -1246,7 +1246,7 @@ static void ak_fwd_worker(void *vctx, int w, int nw) {
     }
     /* the key blocks no query needed (and no waiting worker took), packed all the same: a
      * non-finite input anywhere gives AK_NONFINITE, whatever the mask */
-    while (ak_next_block(&ctx->rest, 1, a->N * a->Hkv * ctx->nkb, &t0, &t1)) ak_fwd_take(ctx, t0);
+    while (ak_next_block(&ctx->rest, 1, ctx->blocks, &t0, &t1)) ak_fwd_take(ctx, t0);
 }
 
 int attnkit_flash_forward(const ak_flash_args *a) {
@@ -1269,9 +1269,10 @@ int attnkit_flash_forward(const ak_flash_args *a) {
     if (a->out_dtype < AK_F32 || a->out_dtype > AK_F16) return AK_BAD_DTYPE;
     if (a->bad == NULL || a->kt == NULL || a->out == NULL || a->lse == NULL) return AK_NO_BUFFER;
     const int64_t nkb = (a->Lk + AK_FN - 1) / AK_FN;
-    uint8_t *packed = calloc((size_t)(a->N * a->Hkv * nkb), 1);
+    const int64_t blocks = a->N * a->Hkv * nkb;
+    uint8_t *packed = calloc((size_t)blocks, 1);
     if (packed == NULL) return AK_NO_MEMORY;
-    ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0, 0, packed};
+    ak_fwd_ctx fc = {a, nkb, (a->Lq + AK_FM - 1) / AK_FM, 0, blocks, 0, packed};
     ak_team_run(ak_fwd_worker, &fc, a->threads);
     free(packed);
     return *a->bad ? AK_NONFINITE : AK_OK; /* the caller runs another path on AK_NONFINITE */
