@@ -19,7 +19,9 @@ import sys
 
 __version__ = "0.2.0"  # first: the ops' revision (attnkit.ops.OP_REVISION) starts with it
 
-from . import _moved, numpy
+# (_compile_cache first, before anything imports torch's compiler: under ATEN_CPU_CAPABILITY
+# it gives torch's compile cache a folder of its own; torch's cache does not key on it)
+from . import _compile_cache, _moved, numpy  # noqa: F401
 from .doors import ring as distributed
 from .doors.attention import (
     AuxOutput,
