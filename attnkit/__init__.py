@@ -19,9 +19,12 @@ import sys
 
 __version__ = "0.2.0"  # first: the ops' revision (attnkit.ops.OP_REVISION) starts with it
 
-# (_compile_cache first, before anything imports torch's compiler: under ATEN_CPU_CAPABILITY
-# it gives torch's compile cache a folder of its own; torch's cache does not key on it)
-from . import _compile_cache, _moved, numpy  # noqa: F401
+# isort: off
+# (first, before anything imports torch's compiler: under ATEN_CPU_CAPABILITY, torch's compile
+# cache gets a folder of its own; torch's cache does not key on the capability)
+from .engine import compile_cache as _compile_cache  # noqa: F401
+# isort: on
+from . import _moved, numpy
 from .doors import ring as distributed
 from .doors.attention import (
     AuxOutput,

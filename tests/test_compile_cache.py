@@ -1,6 +1,6 @@
-"""torch's compile cache under ATEN_CPU_CAPABILITY (attnkit._compile_cache): torch 2.13 reuses a
-graph compiled under another capability (a crashed process or NaN on an AVX-512 machine), so a
-process run under one gets a cache folder of its own."""
+"""torch's compile cache under ATEN_CPU_CAPABILITY (attnkit.engine.compile_cache): torch 2.13
+reuses a graph compiled under another capability (a crashed process or NaN on an AVX-512
+machine), so a process run under one gets a cache folder of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from attnkit._compile_cache import own_compile_cache
+from attnkit.engine.compile_cache import own_compile_cache
 
 
 def test_a_capability_gets_a_folder_of_its_own() -> None:
